@@ -1,0 +1,7 @@
+"""jaxbundle: per-example bundling of adversarial attacks for JAX image classifiers."""
+
+from jaxbundle import attacks, goals, losses, norms
+from jaxbundle.bundler import BestState, BundleResult, bundle
+
+__all__ = ["attacks", "goals", "losses", "norms", "bundle", "BestState", "BundleResult"]
+__version__ = "0.1.0"

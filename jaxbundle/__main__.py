@@ -1,0 +1,5 @@
+import sys
+
+from jaxbundle.cli import main
+
+sys.exit(main())

@@ -1,0 +1,50 @@
+"""Attacks: one file each, all on the protocol of :mod:`jaxbundle.attacks.base`.
+
+Factories return an :class:`Attack`; :data:`CATALOGUE` describes every attack for
+``jaxbundle attacks`` and the docs.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel, per_example_keys
+from jaxbundle.attacks.fgsm import fgsm
+from jaxbundle.attacks.pgd import pgd
+
+__all__ = [
+    "Attack",
+    "Candidate",
+    "WhiteBoxModel",
+    "per_example_keys",
+    "fgsm",
+    "pgd",
+    "AttackInfo",
+    "CATALOGUE",
+]
+
+
+class AttackInfo(NamedTuple):
+    name: str
+    norms: tuple[str, ...]
+    kind: str
+    goal: str  # the goal its candidates are made for
+    paper: str
+
+
+CATALOGUE: tuple[AttackInfo, ...] = (
+    AttackInfo(
+        "fgsm",
+        ("linf", "l2"),
+        "white-box",
+        "misclassify",
+        "Goodfellow, Shlens & Szegedy 2015, Explaining and Harnessing Adversarial Examples",
+    ),
+    AttackInfo(
+        "pgd",
+        ("linf", "l2"),
+        "white-box",
+        "misclassify, max_confidence",
+        "Madry et al. 2018, Towards Deep Learning Models Resistant to Adversarial Attacks",
+    ),
+)

@@ -1,0 +1,130 @@
+"""The attack protocol: a pair of pure functions over a per-example state.
+
+An attack is an :class:`Attack`: a name, its static configuration, and two pure functions
+
+``init(config, keys, x0, y, eps, model) -> state``
+    ``keys`` holds one PRNG key per example (``[B]``), ``x0`` the clean images ``[B, ...]``,
+    ``y`` the labels ``[B]``, ``eps`` the radius per example ``[B]``. ``state`` is a
+    ``NamedTuple`` of arrays with a leading batch axis; it must have a field ``x``: the current
+    iterate, inside the input box and (for fixed-budget attacks) inside the eps ball.
+
+``step(config, state, model) -> (state, candidate)``
+    One iteration. ``candidate`` is a :class:`Candidate`: an image and the logits the model gave
+    it, which the step computed anyway (for a gradient attack, the point where the gradient was
+    taken). The bundler scores candidates without another forward pass; after the last step it
+    evaluates ``state.x`` once more.
+
+Both are jit-able and vmap-able, loop over nothing in Python, and sync nothing with the host.
+Restarts are a ``vmap`` axis and steps a ``lax.scan`` in the bundler, never inside the attack.
+Configuration is a hashable ``NamedTuple`` so that an :class:`Attack` built twice with the same
+arguments compares equal and reuses the compiled program.
+
+``model`` is what the threat model lets the attack see. White-box attacks get a
+:class:`WhiteBoxModel` (logits and gradients).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+
+__all__ = [
+    "KINDS",
+    "Candidate",
+    "WhiteBoxModel",
+    "Attack",
+    "InitFn",
+    "StepFn",
+    "per_example_keys",
+]
+
+KINDS = ("white-box", "score-based", "decision-based", "shift")
+
+
+class Candidate(NamedTuple):
+    """An adversarial candidate and the model's logits on it."""
+
+    x: jax.Array  # [B, ...] image in the input box
+    logits: jax.Array  # [B, K]
+
+
+class WhiteBoxModel(NamedTuple):
+    """Full access to a differentiable classifier: ``apply_fn(params, x) -> logits``.
+
+    Built inside the bundler's jitted function, so ``params`` are traced jit arguments.
+    """
+
+    apply_fn: Callable[[Any, jax.Array], jax.Array]
+    params: Any
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """Logits ``[B, K]`` for images ``[B, ...]`` (in float32)."""
+        return self.apply_fn(self.params, x).astype(jnp.float32)
+
+    def loss_and_grad(
+        self, loss_fn: Callable[..., jax.Array], x: jax.Array, *args: jax.Array
+    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Per-example loss ``[B]``, its gradient w.r.t. ``x`` ``[B, ...]``, and the logits.
+
+        ``loss_fn(logits, *args) -> [B]``. Examples are independent, so the gradient of the
+        summed loss is the per-example gradient; one forward and one backward pass in all.
+        """
+
+        def total(x_):
+            logits = self.logits(x_)
+            per_example = loss_fn(logits, *args)
+            return jnp.sum(per_example), (per_example, logits)
+
+        grad, (loss, logits) = jax.grad(total, has_aux=True)(x)
+        return loss, grad, logits
+
+
+class InitFn(Protocol):
+    def __call__(
+        self, config: Any, keys: jax.Array, x0: jax.Array, y: jax.Array, eps: jax.Array, model: Any
+    ) -> Any: ...
+
+
+class StepFn(Protocol):
+    def __call__(self, config: Any, state: Any, model: Any) -> tuple[Any, Candidate]: ...
+
+
+class Attack(NamedTuple):
+    """One attack, ready to bundle. Built by a factory such as :func:`jaxbundle.attacks.pgd`.
+
+    Attributes:
+      name: unique name in a bundle, e.g. ``"pgd-ce"``; used in reports.
+      kind: one of :data:`KINDS`.
+      norm: the norm of the eps ball the attack stays in (``"linf"``, ``"l2"``, ``"l1"``).
+      num_steps: scan length (iterations after ``init``).
+      num_restarts: independent runs from different random keys (a vmap axis).
+      gradients_per_step: gradient evaluations one step spends on one example.
+      init, step: the pure functions described in the module docstring.
+      config: the static, hashable hyper-parameters passed to ``init`` and ``step``.
+    """
+
+    name: str
+    kind: str
+    norm: str
+    num_steps: int
+    num_restarts: int
+    gradients_per_step: int
+    init: InitFn
+    step: StepFn
+    config: Any
+
+    @property
+    def gradients(self) -> int:
+        """Gradient evaluations the attack spends on one example, all restarts included."""
+        return self.num_steps * self.num_restarts * self.gradients_per_step
+
+    def rename(self, name: str) -> "Attack":
+        """The same attack under another name (names must be unique within a bundle)."""
+        return self._replace(name=name)
+
+
+def per_example_keys(key: jax.Array, example_id: jax.Array) -> jax.Array:
+    """One key per example, ``fold_in(key, example_id)``: independent of batching and padding."""
+    return jax.vmap(jax.random.fold_in, in_axes=(None, 0))(key, example_id)

@@ -1,0 +1,394 @@
+"""The bundler: every candidate of every step, restart and attack, folded per example.
+
+``bundle(attacks, apply_fn, params, x, y, key, eps=...)`` runs a static tuple of attacks in one
+jitted program. For each attack (a Python loop at trace time over a static tuple):
+
+1. restarts are a ``vmap`` axis (or a sequential ``lax.map``, to bound memory), each with its
+   own key ``fold_in(fold_in(fold_in(key, example_id), attack_index), restart)``;
+2. a ``lax.scan`` over steps calls ``step`` and folds its candidate into a best state per goal
+   (:func:`fold`, a per-example ``where``: no extra forward pass); after the scan the final
+   iterate is evaluated once and folded too;
+3. the restarts' bests are folded into one;
+4. :func:`verify` quantises the best images to the pixel grid without leaving the ball,
+   re-runs the model on them in float32 and re-checks box, ball and label: what fails does not
+   count;
+5. the verified best is folded into the bundle's best state, which starts from the clean image.
+
+The misclassify goal is always tracked, and each attack's own verified success is kept, so the
+many-attack table, the worst-attack table and the bundled figure come from one run.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxbundle import goals as goals_lib
+from jaxbundle import norms
+from jaxbundle.attacks.base import Attack, WhiteBoxModel, per_example_keys
+
+__all__ = [
+    "BestState",
+    "BundleResult",
+    "fold",
+    "candidate_state",
+    "verify",
+    "bundle",
+    "check_attacks",
+    "check_inputs",
+]
+
+
+class BestState(NamedTuple):
+    """The best candidate so far for one goal, per example (leading axis ``[B]``)."""
+
+    x: jax.Array  # [B, ...] adversarial image
+    score: goals_lib.Score  # its score (after verification: on the quantised image)
+    attack: jax.Array  # int32 [B]: index of the attack that found it; -1 = the clean image
+    restart: jax.Array  # int32 [B]: restart index within that attack
+    step: jax.Array  # int32 [B]: iterate index within that restart (0 = start)
+
+
+class BundleResult(NamedTuple):
+    """What one bundle run returns (a pytree of arrays; attack names stay with the caller)."""
+
+    best: dict[str, BestState]  # goal name -> verified best state
+    clean: goals_lib.Score  # the clean image's score
+    attack_success: jax.Array  # bool [A, B]: each attack alone (misclassify goal, verified)
+    gradients: jax.Array  # int32 [B]: gradient evaluations spent per example
+
+
+def fold(goal: str, eps: jax.Array, best: BestState, cand: BestState) -> BestState:
+    """Keeps, per example, ``cand`` where ``goal`` prefers it to ``best``."""
+    take = goals_lib.GOALS[goal](best.score, cand.score, eps)
+    return jax.tree.map(lambda b, c: jnp.where(norms.per_example(take, b), c, b), best, cand)
+
+
+def candidate_state(
+    x: jax.Array,
+    logits: jax.Array,
+    x0: jax.Array,
+    y: jax.Array,
+    norm: str,
+    attack: int | jax.Array,
+    restart: int | jax.Array,
+    step: int | jax.Array,
+) -> BestState:
+    """Wraps one candidate batch as a :class:`BestState` so that it can be folded."""
+    batch = x.shape[0]
+    full = lambda v: jnp.full((batch,), v, dtype=jnp.int32)  # noqa: E731
+    return BestState(
+        x=x,
+        score=goals_lib.score(x, logits, x0, y, norm),
+        attack=full(attack),
+        restart=full(restart),
+        step=full(step),
+    )
+
+
+def verify(
+    best: BestState,
+    goal: str,
+    model: WhiteBoxModel,
+    x0: jax.Array,
+    y: jax.Array,
+    eps: jax.Array,
+    norm: str,
+    quantize: bool,
+) -> BestState:
+    """Re-checks a best state on what a user would submit.
+
+    The image is quantised to the 8-bit grid (for goals bound to eps, without leaving the
+    ball), re-run through the model in float32 and rescored. A candidate outside the box, with
+    non-finite logits, or (for eps-bound goals) outside the ball is marked not misclassified.
+    """
+    bound = goal != "min_norm"
+    x = norms.quantize(best.x, x0, eps if bound else None, norm) if quantize else best.x
+    logits = model.logits(x)
+    s = goals_lib.score(x, logits, x0, y, norm)
+    flat = x.reshape(x.shape[0], -1)
+    valid = jnp.all((flat >= 0.0) & (flat <= 1.0), axis=1) & jnp.all(jnp.isfinite(logits), axis=1)
+    if bound:
+        valid &= goals_lib.within(s, eps)
+    return best._replace(x=x, score=s._replace(misclassified=s.misclassified & valid))
+
+
+def _fold_all(
+    goal_names: tuple[str, ...], eps: jax.Array, best: dict[str, BestState], cand: BestState
+) -> dict[str, BestState]:
+    return {g: fold(g, eps, best[g], cand) for g in goal_names}
+
+
+def _fold_leading_axis(
+    goal_names: tuple[str, ...], eps: jax.Array, stacked: dict[str, BestState]
+) -> dict[str, BestState]:
+    """Folds best states stacked on a leading axis (restarts) into one, in order."""
+    first = jax.tree.map(lambda a: a[0], stacked)
+    rest = jax.tree.map(lambda a: a[1:], stacked)
+
+    def body(best, cand_by_goal):
+        return {g: fold(g, eps, best[g], cand_by_goal[g]) for g in goal_names}, None
+
+    best, _ = jax.lax.scan(body, first, rest)
+    return best
+
+
+def _run_attack(
+    attack: Attack,
+    index: int,
+    model: WhiteBoxModel,
+    keys: jax.Array,
+    x0: jax.Array,
+    y: jax.Array,
+    eps: jax.Array,
+    norm: str,
+    goal_names: tuple[str, ...],
+    start: dict[str, BestState],
+    unroll: int | bool,
+    restart_mode: str,
+) -> dict[str, BestState]:
+    """All restarts and steps of one attack, folded into a best state per goal (unverified)."""
+    attack_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, index)
+
+    def one_restart(restart):
+        restart_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(attack_keys, restart)
+        state = attack.init(attack.config, restart_keys, x0, y, eps, model)
+
+        def body(carry, t):
+            state, best = carry
+            state, cand = attack.step(attack.config, state, model)
+            c = candidate_state(cand.x, cand.logits, x0, y, norm, index, restart, t)
+            return (state, _fold_all(goal_names, eps, best, c)), None
+
+        (state, best), _ = jax.lax.scan(
+            body, (state, start), jnp.arange(attack.num_steps), unroll=unroll
+        )
+        final = candidate_state(
+            state.x, model.logits(state.x), x0, y, norm, index, restart, attack.num_steps
+        )
+        return _fold_all(goal_names, eps, best, final)
+
+    if attack.num_restarts == 1:
+        return one_restart(jnp.int32(0))
+    restarts = jnp.arange(attack.num_restarts, dtype=jnp.int32)
+    if restart_mode == "vmap":
+        stacked = jax.vmap(one_restart)(restarts)
+    else:
+        stacked = jax.lax.map(one_restart, restarts)
+    return _fold_leading_axis(goal_names, eps, stacked)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("apply_fn", "attacks", "goal_names", "norm", "quantize", "unroll", "restart_mode"),
+)
+def _bundle(
+    params: Any,
+    x: jax.Array,
+    y: jax.Array,
+    key: jax.Array,
+    example_id: jax.Array,
+    eps: jax.Array,
+    *,
+    apply_fn: Callable[[Any, jax.Array], jax.Array],
+    attacks: tuple[Attack, ...],
+    goal_names: tuple[str, ...],
+    norm: str,
+    quantize: bool,
+    unroll: int | bool,
+    restart_mode: str,
+) -> BundleResult:
+    model = WhiteBoxModel(apply_fn, params)
+    x = x.astype(jnp.float32)
+    y = y.astype(jnp.int32)
+    eps = jnp.broadcast_to(jnp.asarray(eps, jnp.float32), y.shape)
+    keys = per_example_keys(key, example_id)
+
+    clean = candidate_state(x, model.logits(x), x, y, norm, -1, 0, 0)
+    best = {g: clean for g in goal_names}
+    successes = []
+    for index, attack in enumerate(attacks):
+        found = _run_attack(
+            attack, index, model, keys, x, y, eps, norm, goal_names, best, unroll, restart_mode
+        )
+        found = {g: verify(found[g], g, model, x, y, eps, norm, quantize) for g in goal_names}
+        found = _cross_fold(goal_names, eps, found)
+        successes.append(goals_lib.success("misclassify", found["misclassify"].score, eps))
+        best = _fold_all_states(goal_names, eps, best, found)
+
+    gradients = sum(a.gradients for a in attacks)
+    return BundleResult(
+        best=best,
+        clean=clean.score,
+        attack_success=jnp.stack(successes) if successes else jnp.zeros((0,) + y.shape, bool),
+        gradients=jnp.full(y.shape, gradients, dtype=jnp.int32),
+    )
+
+
+def _fold_all_states(goal_names, eps, best, found):
+    return {g: fold(g, eps, best[g], found[g]) for g in goal_names}
+
+
+def _cross_fold(
+    goal_names: tuple[str, ...], eps: jax.Array, verified: dict[str, BestState]
+) -> dict[str, BestState]:
+    """Offers every goal's verified image to every other goal.
+
+    A verified image is a legitimate candidate for any goal. This matters after quantisation:
+    the min-norm candidate sits on the decision boundary and rounding may undo it, while the
+    misclassify goal's image, deeper inside the wrong class, survives.
+    """
+    out = {}
+    for g in goal_names:
+        best = verified[g]
+        for h in goal_names:
+            if h != g:
+                best = fold(g, eps, best, verified[h])
+        out[g] = best
+    return out
+
+
+def check_attacks(attacks: Sequence[Attack], norm: str) -> tuple[Attack, ...]:
+    """Validates a bundle's attacks: a non-empty sequence, unique names, the threat norm."""
+    attacks = tuple(attacks)
+    if not attacks:
+        raise ValueError("a bundle needs at least one attack")
+    for a in attacks:
+        if not isinstance(a, Attack):
+            raise TypeError(f"expected Attack objects (e.g. jaxbundle.attacks.pgd()), got {a!r}")
+        if a.norm != norm:
+            raise ValueError(
+                f"attack {a.name!r} works in norm {a.norm!r} but the threat model is {norm!r}"
+            )
+    names = [a.name for a in attacks]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(
+            f"attack names must be unique in a bundle, repeated: {duplicates}; "
+            "use attack.rename('...')"
+        )
+    return attacks
+
+
+def check_inputs(
+    apply_fn: Callable[[Any, jax.Array], jax.Array],
+    params: Any,
+    x: Any,
+    y: Any,
+    eps: Any,
+    *,
+    check_values: bool = True,
+) -> int:
+    """Checks shapes, dtypes and values at the boundary; returns the number of classes.
+
+    Raises ``ValueError`` (or ``TypeError``) naming the problem: shapes, non-float images,
+    NaN or infinite pixels, pixels outside [0, 1], non-integer or out-of-range labels,
+    negative or non-finite eps, and a model whose output is not ``[B, K]`` logits.
+    """
+    if not hasattr(x, "shape") or not hasattr(y, "shape"):
+        raise TypeError("x and y must be arrays")
+    if x.ndim < 2:
+        raise ValueError(f"x must be a batch of images [B, ...], got shape {tuple(x.shape)}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(
+            f"x must be floating point in [0, 1], got dtype {x.dtype} (divide uint8 images by 255)"
+        )
+    if y.ndim != 1 or y.shape[0] != x.shape[0]:
+        raise ValueError(f"y must have shape [{x.shape[0]}] to match x, got {tuple(y.shape)}")
+    if not jnp.issubdtype(y.dtype, jnp.integer):
+        raise ValueError(f"labels y must be integers, got dtype {y.dtype}")
+    out = jax.eval_shape(apply_fn, params, jax.ShapeDtypeStruct(x.shape, jnp.float32))
+    if len(out.shape) != 2 or out.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"apply_fn(params, x) must return logits [B, K] = [{x.shape[0]}, K], "
+            f"got shape {tuple(out.shape)}"
+        )
+    num_classes = int(out.shape[1])
+    eps_host = np.asarray(eps, dtype=np.float64)
+    if eps_host.ndim > 1 or (eps_host.ndim == 1 and eps_host.shape[0] != x.shape[0]):
+        raise ValueError(f"eps must be a scalar or shape [{x.shape[0]}], got {eps_host.shape}")
+    if not np.all(np.isfinite(eps_host)) or np.any(eps_host < 0):
+        raise ValueError(f"eps must be finite and >= 0, got {eps_host.min() if eps_host.size else eps_host}")
+    if check_values:
+        xh, yh = np.asarray(x), np.asarray(y)
+        if not np.all(np.isfinite(xh)):
+            raise ValueError(f"x holds {int(np.sum(~np.isfinite(xh)))} NaN or infinite pixel values")
+        lo, hi = float(xh.min()), float(xh.max())
+        if lo < 0.0 or hi > 1.0:
+            raise ValueError(f"pixels must lie in [0, 1], found min {lo:.4g} and max {hi:.4g}")
+        bad = yh[(yh < 0) | (yh >= num_classes)]
+        if bad.size:
+            raise ValueError(
+                f"labels must lie in [0, {num_classes}) for a {num_classes}-class model, "
+                f"found {sorted(set(bad.tolist()))[:10]}"
+            )
+    return num_classes
+
+
+def bundle(
+    attacks: Sequence[Attack],
+    apply_fn: Callable[[Any, jax.Array], jax.Array],
+    params: Any,
+    x: jax.Array,
+    y: jax.Array,
+    key: jax.Array,
+    *,
+    eps: float | jax.Array,
+    norm: str = "linf",
+    goals: Sequence[str] | str = ("misclassify",),
+    example_id: jax.Array | None = None,
+    quantize: bool = True,
+    unroll: int | bool = 1,
+    restart_mode: str = "vmap",
+    validate: bool = True,
+) -> BundleResult:
+    """Runs a bundle of attacks and keeps, per example and goal, the best verified candidate.
+
+    Args:
+      attacks: attacks from :mod:`jaxbundle.attacks`, all in the threat model's norm.
+      apply_fn: ``apply_fn(params, x) -> logits`` (e.g. a flax ``module.apply``).
+      params: the model's parameters (a jit argument, never baked into the program).
+      x: clean images ``[B, ...]`` in [0, 1].
+      y: integer labels ``[B]``.
+      key: a PRNG key; example ``i`` draws from ``fold_in(key, example_id[i])``.
+      eps: the threat model's radius, a scalar or one per example.
+      norm: the threat model's norm, ``"linf"`` or ``"l2"``.
+      goals: goals to track (``misclassify`` always is): see :mod:`jaxbundle.goals`.
+      example_id: ``[B]`` ids that fix each example's randomness; default ``arange(B)``.
+      quantize: judge success on images rounded to the 8-bit grid.
+      unroll: ``lax.scan`` unroll factor for the steps (``True``: fully unrolled).
+      restart_mode: ``"vmap"`` (restarts in parallel) or ``"map"`` (one at a time, less memory).
+      validate: check inputs at the boundary (one host sync); the evaluation driver, which has
+        checked its data already, turns it off.
+
+    Returns:
+      A :class:`BundleResult`.
+    """
+    norms.check_norm(norm)
+    attacks = check_attacks(attacks, norm)
+    goal_names = goals_lib.check_goals(goals)
+    if restart_mode not in ("vmap", "map"):
+        raise ValueError(f"restart_mode must be 'vmap' or 'map', got {restart_mode!r}")
+    if validate:
+        check_inputs(apply_fn, params, x, y, eps)
+    if example_id is None:
+        example_id = jnp.arange(x.shape[0], dtype=jnp.int32)
+    return _bundle(
+        params,
+        x,
+        y,
+        key,
+        example_id,
+        eps,
+        apply_fn=apply_fn,
+        attacks=attacks,
+        goal_names=goal_names,
+        norm=norm,
+        quantize=quantize,
+        unroll=unroll,
+        restart_mode=restart_mode,
+    )

@@ -1,0 +1,219 @@
+"""The ``jaxbundle`` command.
+
+``jaxbundle evaluate``  trains (once, cached) or loads the demo models, runs the attack bundle on
+                        the embedded MNIST test sample and writes a report directory.
+``jaxbundle attacks``   lists the available attacks.
+
+The command holds no logic of its own beyond parsing flags: everything it does is a call into
+the library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Sequence
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+__all__ = ["main", "build_attacks", "BUNDLE_ATTACKS"]
+
+# Names accepted by --attacks, in the default order.
+BUNDLE_ATTACKS = ("fgsm", "pgd-ce", "pgd-margin", "pgd-dlr")
+DEFAULT_ATTACKS = ("fgsm", "pgd-ce", "pgd-margin")
+
+
+def build_attacks(
+    names: Sequence[str], norm: str, steps: int, restarts: int, step_size: float | None
+):
+    """Builds the attacks named on the command line."""
+    from jaxbundle import attacks
+
+    built = []
+    for name in names:
+        if name == "fgsm":
+            built.append(attacks.fgsm(norm=norm))
+        elif name.startswith("pgd-") and name[4:] in ("ce", "margin", "dlr"):
+            built.append(
+                attacks.pgd(
+                    norm=norm, loss=name[4:], steps=steps, restarts=restarts, step_size=step_size
+                )
+            )
+        else:
+            raise ValueError(f"unknown attack {name!r}; choose from {', '.join(BUNDLE_ATTACKS)}")
+    return built
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = _non_negative_float(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError("expected a number > 0, got 0")
+    return value
+
+
+def _csv(text: str) -> list[str]:
+    items = [t.strip() for t in text.split(",") if t.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError("expected a comma-separated list")
+    return items
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jaxbundle", description="Per-example bundled robustness evaluation for JAX models."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    ev = sub.add_parser("evaluate", help="evaluate the demo models on the embedded MNIST sample")
+    ev.add_argument("--n", type=_positive_int, default=1000, help="first N test examples (max 2000)")
+    ev.add_argument("--eps", type=_non_negative_float, default=0.3, help="radius of the eps ball")
+    ev.add_argument("--norm", choices=("linf", "l2"), default="linf")
+    ev.add_argument(
+        "--attacks",
+        type=_csv,
+        default=list(DEFAULT_ATTACKS),
+        help=f"comma-separated, from {','.join(BUNDLE_ATTACKS)}",
+    )
+    ev.add_argument("--steps", type=_positive_int, default=40, help="PGD steps")
+    ev.add_argument("--restarts", type=_positive_int, default=3, help="PGD random restarts")
+    ev.add_argument(
+        "--step-size", type=_positive_float, default=None, help="PGD step (default 2.5*eps/steps)"
+    )
+    ev.add_argument("--seed", type=int, default=0)
+    ev.add_argument("--batch-size", type=_positive_int, default=250)
+    ev.add_argument("--out", default="jaxbundle-report", help="report directory")
+    ev.add_argument(
+        "--models", type=_csv, default=["standard", "adversarial"], help="demo models to evaluate"
+    )
+    ev.add_argument("--cache-dir", default=None, help="trained-weights cache (default ~/.cache)")
+    ev.add_argument(
+        "--train-examples", type=_positive_int, default=None, help="override training set size"
+    )
+    ev.add_argument("--train-epochs", type=_positive_int, default=None, help="override epochs")
+    ev.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+    sub.add_parser("attacks", help="list the available attacks")
+    return parser
+
+
+def _list_attacks(console: Console) -> None:
+    from jaxbundle.attacks import CATALOGUE
+
+    t = Table(title="jaxbundle attacks")
+    for column in ("name", "norms", "kind", "goal", "paper"):
+        t.add_column(column, overflow="fold")
+    for info in CATALOGUE:
+        t.add_row(info.name, ", ".join(info.norms), info.kind, info.goal, info.paper)
+    console.print(t)
+
+
+def _evaluate(args: argparse.Namespace, console: Console) -> None:
+    import jax
+
+    from jaxbundle import data, models
+    from jaxbundle.evaluate import evaluate
+    from jaxbundle.report import print_tables, write_report
+
+    unknown = [m for m in args.models if m not in models.MODELS]
+    if unknown:
+        raise ValueError(f"unknown model(s) {unknown}; choose from {sorted(models.MODELS)}")
+    attack_list = build_attacks(args.attacks, args.norm, args.steps, args.restarts, args.step_size)
+    dataset = data.load_mnist_sample("test", n=args.n)
+
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        disable=args.no_progress,
+    )
+    results = {}
+    with progress:
+        for name in args.models:
+            config = models.MODELS[name]
+            if args.train_examples is not None:
+                config = config._replace(n_train=args.train_examples)
+            if args.train_epochs is not None:
+                config = config._replace(epochs=args.train_epochs)
+            task = progress.add_task(f"{name}: train or load", total=None)
+            apply_fn, params = models.load_or_train(
+                config,
+                cache_dir=args.cache_dir,
+                progress=lambda done, total: progress.update(task, completed=done, total=total),
+            )
+            progress.update(task, description=f"{name}: attack")
+            start = time.perf_counter()
+            evaluation = evaluate(
+                apply_fn,
+                params,
+                dataset.x,
+                dataset.y,
+                attack_list,
+                eps=args.eps,
+                norm=args.norm,
+                seed=args.seed,
+                batch_size=args.batch_size,
+                progress=lambda done, total: progress.update(task, completed=done, total=total),
+            )
+            jax.block_until_ready(evaluation.per_example)
+            results[name] = (evaluation, time.perf_counter() - start)
+
+    print_tables(console, results)
+    config = {
+        "dataset": dataset.name,
+        "n": args.n,
+        "eps": args.eps,
+        "norm": args.norm,
+        "attacks": [a.name for a in attack_list],
+        "steps": args.steps,
+        "restarts": args.restarts,
+        "step_size": args.step_size,
+        "seed": args.seed,
+        "batch_size": args.batch_size,
+        "models": args.models,
+    }
+    path = write_report(args.out, config, results)
+    console.print(f"report written to {path}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point; returns the exit status (2 for bad flags or inputs)."""
+    args = _parser().parse_args(argv)
+    console = Console(width=100)
+    try:
+        if args.command == "attacks":
+            _list_attacks(console)
+        else:
+            _evaluate(args, console)
+    except (ValueError, FileNotFoundError) as err:
+        Console(stderr=True).print(f"[red]error:[/red] {err}", highlight=False)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,210 @@
+"""The evaluation driver: fixed-shape batches, a device mesh, checkpoints, per-example output.
+
+``evaluate(apply_fn, params, x, y, attacks, eps=...)`` runs :func:`jaxbundle.bundler.bundle`
+over padded batches (one compiled program for the whole dataset), sums
+:class:`jaxbundle.metrics.Counts` on device, and gathers small per-example arrays on the host.
+
+With several local devices the batch axis is sharded over a ``jax.sharding.Mesh`` (params
+replicated); the answer is the same as on one device because every example draws its own
+randomness from ``fold_in(key, example_id)`` and metrics are sums. With ``checkpoint_dir``, the
+state after every batch is written atomically and a rerun resumes after the last finished
+batch with a bit-identical result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxbundle import data as data_lib
+from jaxbundle import goals as goals_lib
+from jaxbundle import norms
+from jaxbundle.attacks.base import Attack
+from jaxbundle.bundler import BundleResult, bundle, check_attacks, check_inputs
+from jaxbundle.metrics import Counts
+
+__all__ = ["Evaluation", "evaluate", "per_example_arrays", "default_mesh"]
+
+
+class Evaluation(NamedTuple):
+    """What :func:`evaluate` returns."""
+
+    metrics: dict  # figures: see jaxbundle.metrics.Counts.compute, plus eps/norm/seed
+    per_example: dict[str, np.ndarray]  # arrays of length n_examples (see per_example_arrays)
+    attack_names: tuple[str, ...]
+
+
+def per_example_arrays(result: BundleResult, x0: jax.Array, eps: jax.Array) -> dict[str, jax.Array]:
+    """The per-example outputs kept for the report (``[B]`` arrays, and ``x_adv`` as uint8)."""
+    mis = result.best["misclassify"]
+    out = {
+        "clean_prediction": result.clean.prediction,
+        "adversarial_prediction": mis.score.prediction,
+        "success": goals_lib.success("misclassify", mis.score, eps),
+        "distortion": mis.score.distortion,
+        "winning_attack": mis.attack,
+        "winning_restart": mis.restart,
+        "winning_step": mis.step,
+        "attack_success": result.attack_success.T,  # [B, A]
+        "gradients": result.gradients,
+        "x_adv": jnp.round(mis.x * 255).astype(jnp.uint8),
+    }
+    if "max_confidence" in result.best:
+        mc = result.best["max_confidence"].score
+        out["max_wrong_confidence"] = jnp.where(goals_lib.within(mc, eps), mc.confidence, 0.0)
+    if "min_norm" in result.best:
+        mn = result.best["min_norm"].score
+        out["min_distortion"] = jnp.where(mn.misclassified, mn.distortion, jnp.inf)
+    return out
+
+
+def default_mesh() -> Mesh | None:
+    """A 1-D ``("batch",)`` mesh over all local devices, or ``None`` for a single device."""
+    devices = jax.local_devices()
+    if len(devices) == 1:
+        return None
+    return Mesh(np.asarray(devices), ("batch",))
+
+
+def _fingerprint(**config: Any) -> str:
+    text = json.dumps({k: repr(v) for k, v in sorted(config.items())})
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _save_checkpoint(path: str, state: dict[str, np.ndarray]) -> None:
+    directory = os.path.dirname(path)
+    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
+    with os.fdopen(fd, "wb") as f:
+        np.savez(f, **state)
+    os.replace(tmp, path)
+
+
+def evaluate(
+    apply_fn: Callable[[Any, jax.Array], jax.Array],
+    params: Any,
+    x: np.ndarray,
+    y: np.ndarray,
+    attacks: Sequence[Attack],
+    *,
+    eps: float,
+    norm: str = "linf",
+    goals: Sequence[str] = ("misclassify", "max_confidence", "min_norm"),
+    seed: int = 0,
+    batch_size: int = 256,
+    quantize: bool = True,
+    unroll: int | bool = 1,
+    restart_mode: str = "vmap",
+    mesh: Mesh | None | str = "auto",
+    checkpoint_dir: str | None = None,
+    progress: Callable[[int, int], None] | None = None,
+) -> Evaluation:
+    """Evaluates a model under a bundle of attacks on a whole dataset.
+
+    Args:
+      apply_fn: ``apply_fn(params, x) -> logits``.
+      params: model parameters.
+      x: images ``[N, ...]`` float in [0, 1] (numpy).
+      y: integer labels ``[N]``.
+      attacks: the bundle (see :mod:`jaxbundle.attacks`).
+      eps: the threat model's radius.
+      norm: the threat model's norm.
+      goals: goals to track; ``misclassify`` always is.
+      seed: example ``i`` draws from ``fold_in(PRNGKey(seed), i)``.
+      batch_size: rows per batch; the last batch is padded (masked), so one program serves all.
+      quantize: judge success on 8-bit images.
+      unroll, restart_mode: see :func:`jaxbundle.bundler.bundle`.
+      mesh: ``"auto"`` (all local devices), ``None`` (no sharding) or a 1-D ``Mesh`` whose axis
+        is named ``"batch"``; ``batch_size`` must divide evenly over it.
+      checkpoint_dir: if set, save after every batch and resume from there on a rerun.
+      progress: called as ``progress(batches_done, batches_total)``.
+
+    Returns:
+      An :class:`Evaluation`.
+    """
+    norms.check_norm(norm)
+    attacks = check_attacks(attacks, norm)
+    goal_names = goals_lib.check_goals(goals)
+    if not isinstance(batch_size, int) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    x = np.asarray(x)
+    y = np.asarray(y)
+    n = int(x.shape[0]) if x.ndim else 0
+    if n == 0:
+        raise ValueError("the dataset is empty")
+    check_inputs(apply_fn, params, x, y, eps)
+    if mesh == "auto":
+        mesh = default_mesh()
+    if mesh is None:
+        batch_size = min(batch_size, n)
+    sharding = None
+    if mesh is not None:
+        devices = mesh.devices.size
+        if batch_size % devices:
+            raise ValueError(f"batch_size {batch_size} must be a multiple of {devices} devices")
+        sharding = NamedSharding(mesh, PartitionSpec("batch"))
+        params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+
+    total = data_lib.num_batches(n, batch_size)
+    key = jax.random.key(seed)
+    names = tuple(a.name for a in attacks)
+    counts = Counts.empty(len(attacks))
+    chunks: dict[str, list[np.ndarray]] = {}
+    start = 0
+    ckpt_path = None
+    if checkpoint_dir is not None:
+        os.makedirs(checkpoint_dir, exist_ok=True)
+        ckpt_path = os.path.join(checkpoint_dir, "checkpoint.npz")
+        fingerprint = _fingerprint(
+            attacks=attacks, eps=eps, norm=norm, goals=goal_names, seed=seed, n=n,
+            batch_size=batch_size, quantize=quantize,
+            data=hashlib.sha256(x.tobytes() + y.tobytes()).hexdigest(),
+        )
+        if os.path.exists(ckpt_path):
+            with np.load(ckpt_path) as saved:
+                if str(saved["fingerprint"]) != fingerprint:
+                    raise ValueError(
+                        f"{ckpt_path} belongs to a different evaluation (other data, attacks or "
+                        "settings); use another checkpoint_dir or delete it"
+                    )
+                start = int(saved["batches_done"])
+                counts = Counts(*(jnp.asarray(saved[f"counts_{f}"]) for f in Counts._fields))
+                chunks = {k[4:]: [saved[k]] for k in saved.files if k.startswith("out_")}
+
+    eps_value = float(eps)
+    for index, batch in enumerate(data_lib.batches(x, y, batch_size, start=start), start=start):
+        arrays = (batch.x.astype(np.float32), batch.y.astype(np.int32), batch.example_id, batch.mask)
+        if sharding is not None:
+            arrays = tuple(jax.device_put(a, sharding) for a in arrays)
+        bx, by, bid, bmask = arrays
+        result = bundle(
+            attacks, apply_fn, params, bx, by, key, eps=eps_value, norm=norm, goals=goal_names,
+            example_id=bid, quantize=quantize, unroll=unroll, restart_mode=restart_mode,
+            validate=False,
+        )
+        counts = counts.merge(Counts.from_result(result, bmask, eps_value))
+        eps_b = jnp.full(by.shape, eps_value, jnp.float32)
+        real = np.asarray(batch.mask)
+        for k, v in per_example_arrays(result, bx, eps_b).items():
+            chunks.setdefault(k, []).append(np.asarray(v)[real])
+        if ckpt_path is not None:
+            state = {f"counts_{f}": np.asarray(v) for f, v in zip(Counts._fields, counts)}
+            state.update({f"out_{k}": np.concatenate(v) for k, v in chunks.items()})
+            _save_checkpoint(
+                ckpt_path, dict(state, batches_done=index + 1, fingerprint=fingerprint)
+            )
+        if progress is not None:
+            progress(index + 1, total)
+
+    per_example = {k: np.concatenate(v) for k, v in chunks.items()}
+    per_example["label"] = y
+    metrics = counts.compute(names)
+    metrics.update(eps=eps_value, norm=norm, seed=seed, goals=list(goal_names))
+    return Evaluation(metrics=metrics, per_example=per_example, attack_names=names)

@@ -1,0 +1,120 @@
+"""Goals (criteria): which of two adversarial candidates is better, per example.
+
+A candidate is summarised by a :class:`Score`. A goal is a pure function
+``take(best, candidate, eps) -> bool[B]`` that says, per example, whether the candidate
+replaces the best one so far. Goals hold no state; one bundle run can track several goals,
+each with its own best candidate, from the same stream of candidates.
+
+Goals (``eps`` is the threat model's radius, per example):
+
+``misclassify``
+    Bundled error rate. A success is a misclassified candidate within eps. The first success
+    is kept; before one is found, the candidate with the largest margin (closest to the
+    decision boundary) is kept.
+``max_confidence``
+    Failure rate of a confidence-thresholding defence (CleverHans' MaxConfidence). Keeps the
+    candidate within eps with the highest probability on a wrong class.
+``min_norm``
+    Success-vs-distortion curve P(D) and RoBIC's half-distortion. Keeps the misclassified
+    candidate of smallest distortion, whatever eps; before a success, the largest margin.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxbundle import losses, norms
+
+__all__ = [
+    "Score",
+    "score",
+    "within",
+    "misclassify",
+    "max_confidence",
+    "min_norm",
+    "GOALS",
+    "success",
+    "check_goals",
+]
+
+# Relative and absolute slack on "distortion <= eps": float32 rounding of a projection onto
+# the ball may land a hair outside it. 1e-5 relative is far below one pixel level (1/255).
+_REL_TOL = 1e-5
+_ABS_TOL = 1e-7
+
+
+class Score(NamedTuple):
+    """What a goal needs to know about one candidate per example (all ``[B]``)."""
+
+    misclassified: jax.Array  # bool: argmax of the logits != label
+    distortion: jax.Array  # float: ||x - x0|| in the threat model's norm
+    confidence: jax.Array  # float: highest softmax probability on a wrong class
+    margin: jax.Array  # float: max_{j != y} z_j - z_y (> 0 iff misclassified)
+    prediction: jax.Array  # int32: argmax of the logits
+
+
+def score(x: jax.Array, logits: jax.Array, x0: jax.Array, y: jax.Array, norm: str) -> Score:
+    """Scores candidates ``x`` with their ``logits`` against clean ``x0`` and labels ``y``."""
+    margin = losses.margin(logits, y)
+    prediction = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return Score(
+        misclassified=prediction != y,
+        distortion=norms.norm(x - x0, norm),
+        confidence=losses.wrong_class_confidence(logits, y),
+        margin=margin,
+        prediction=prediction,
+    )
+
+
+def within(s: Score, eps: jax.Array) -> jax.Array:
+    """Whether the candidate lies inside the eps ball (with float32 slack)."""
+    return s.distortion <= eps * (1 + _REL_TOL) + _ABS_TOL
+
+
+def misclassify(best: Score, cand: Score, eps: jax.Array) -> jax.Array:
+    ok = within(cand, eps)
+    best_done = best.misclassified & within(best, eps)
+    closer = ok & (cand.margin > best.margin)
+    return ~best_done & ((ok & cand.misclassified) | closer)
+
+
+def max_confidence(best: Score, cand: Score, eps: jax.Array) -> jax.Array:
+    best_ok = within(best, eps)
+    ok = within(cand, eps)
+    return ok & (~best_ok | (cand.confidence > best.confidence))
+
+
+def min_norm(best: Score, cand: Score, eps: jax.Array) -> jax.Array:
+    del eps
+    smaller = cand.distortion < best.distortion
+    first = cand.misclassified & ~best.misclassified
+    better = cand.misclassified & best.misclassified & smaller
+    closer = ~cand.misclassified & ~best.misclassified & (cand.margin > best.margin)
+    return first | better | closer
+
+
+GOALS: dict[str, Callable[[Score, Score, jax.Array], jax.Array]] = {
+    "misclassify": misclassify,
+    "max_confidence": max_confidence,
+    "min_norm": min_norm,
+}
+
+
+def success(goal: str, s: Score, eps: jax.Array) -> jax.Array:
+    """Whether a best candidate counts as a successful attack for ``goal`` (``[B]`` bool)."""
+    if goal == "min_norm":
+        return s.misclassified
+    return s.misclassified & within(s, eps)
+
+
+def check_goals(goals: tuple[str, ...] | list[str] | str) -> tuple[str, ...]:
+    """Validates goal names; ``misclassify`` is always tracked and comes first."""
+    if isinstance(goals, str):
+        goals = (goals,)
+    unknown = [g for g in goals if g not in GOALS]
+    if unknown:
+        raise ValueError(f"unknown goal(s) {unknown}; expected some of {sorted(GOALS)}")
+    return ("misclassify",) + tuple(dict.fromkeys(g for g in goals if g != "misclassify"))

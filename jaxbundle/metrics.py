@@ -1,0 +1,110 @@
+"""Metric reducers that merge like sums (clu.metrics style).
+
+A reducer has ``empty``, ``from_result`` (per batch, inside or outside jit), ``merge`` (adds
+counts: associative and commutative, with ``empty`` as identity, so 1 device and 256 devices,
+one batch or many, give the same answer) and ``compute`` (turns counts into figures on the host).
+
+Figures (over the real examples, mask True):
+
+* clean accuracy = correct clean / n;
+* robust accuracy (bundled) = correct under every candidate of every attack / n;
+* Relative Robustness (Amich et al.) RR = correct under attack / correct clean × 100;
+* the many-attack table (MAT): the robust accuracy of each attack alone;
+* the worst-attack table figure (WAT): the lowest robust accuracy of any single attack;
+* the failure rate of a confidence-thresholding defence at a few thresholds: wrong with at
+  least that confidence inside the eps ball (when the max-confidence goal is tracked).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxbundle import goals as goals_lib
+from jaxbundle.bundler import BundleResult
+
+__all__ = ["CONFIDENCE_THRESHOLDS", "Counts", "relative_robustness"]
+
+CONFIDENCE_THRESHOLDS = (0.5, 0.7, 0.9, 0.99)
+
+
+class Counts(NamedTuple):
+    """Sums over examples; every field merges by addition (int32, exact)."""
+
+    n: jax.Array  # real examples
+    clean_correct: jax.Array
+    robust_correct: jax.Array  # bundled: no candidate within eps fools the model
+    attack_correct: jax.Array  # [A] each attack alone
+    confident_failures: jax.Array  # [T] wrong with confidence >= threshold (max_confidence)
+
+    @classmethod
+    def empty(cls, num_attacks: int) -> "Counts":
+        zero = jnp.zeros((), jnp.int32)
+        return cls(
+            n=zero,
+            clean_correct=zero,
+            robust_correct=zero,
+            attack_correct=jnp.zeros((num_attacks,), jnp.int32),
+            confident_failures=jnp.zeros((len(CONFIDENCE_THRESHOLDS),), jnp.int32),
+        )
+
+    @classmethod
+    def from_result(
+        cls, result: BundleResult, mask: jax.Array, eps: jax.Array | float
+    ) -> "Counts":
+        """Counts one batch; ``mask`` ``[B]`` is False on padding rows."""
+        m = jnp.asarray(mask, bool)
+        count = lambda v: jnp.sum(v & m, axis=-1, dtype=jnp.int32)  # noqa: E731
+        eps = jnp.broadcast_to(jnp.asarray(eps, jnp.float32), m.shape)
+        clean_correct = ~result.clean.misclassified
+        fooled = goals_lib.success("misclassify", result.best["misclassify"].score, eps)
+        if "max_confidence" in result.best:
+            s = result.best["max_confidence"].score
+            ok = goals_lib.success("max_confidence", s, eps)
+            thresholds = jnp.asarray(CONFIDENCE_THRESHOLDS, jnp.float32)[:, None]
+            confident = count(ok[None, :] & (s.confidence[None, :] >= thresholds))
+        else:
+            confident = jnp.zeros((len(CONFIDENCE_THRESHOLDS),), jnp.int32)
+        return cls(
+            n=count(jnp.ones_like(m)),
+            clean_correct=count(clean_correct),
+            robust_correct=count(clean_correct & ~fooled),
+            attack_correct=count(clean_correct[None, :] & ~result.attack_success),
+            confident_failures=confident,
+        )
+
+    def merge(self, other: "Counts") -> "Counts":
+        return jax.tree.map(jnp.add, self, other)
+
+    def compute(self, attack_names: Sequence[str]) -> dict:
+        """Figures in percent; ``attack_names`` label the MAT rows."""
+        c = jax.tree.map(np.asarray, self)
+        n = int(c.n)
+        if len(attack_names) != c.attack_correct.shape[0]:
+            raise ValueError(
+                f"{len(attack_names)} attack names for {c.attack_correct.shape[0]} attacks"
+            )
+        pct = lambda k: 100.0 * float(k) / n if n else float("nan")  # noqa: E731
+        mat = {name: pct(k) for name, k in zip(attack_names, c.attack_correct)}
+        return {
+            "n_examples": n,
+            "clean_accuracy": pct(c.clean_correct),
+            "robust_accuracy": pct(c.robust_correct),
+            "relative_robustness": relative_robustness(int(c.robust_correct), int(c.clean_correct)),
+            "mat": mat,
+            "wat": min(mat.values()) if mat else None,
+            "wat_attack": min(mat, key=mat.get) if mat else None,
+            "confident_failure_rate": {
+                f"{t:g}": pct(k) for t, k in zip(CONFIDENCE_THRESHOLDS, c.confident_failures)
+            },
+        }
+
+
+def relative_robustness(correct_under_attack: int, correct_clean: int) -> float | None:
+    """RR = correct under attack / correct clean × 100; ``None`` when no example is correct."""
+    if correct_clean == 0:
+        return None
+    return 100.0 * correct_under_attack / correct_clean

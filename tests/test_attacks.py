@@ -1,0 +1,216 @@
+"""Every attack passes the protocol's conformance suite and the linear-model oracles."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxbundle import attacks, norms
+from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel
+from jaxbundle.bundler import bundle
+from toys import KEY, images, linear_apply, linear_problem, min_distance
+
+# (factory call, norm) for every attack and norm the skeleton offers.
+ATTACKS = [
+    pytest.param(lambda: attacks.fgsm("linf"), "linf", id="fgsm-linf"),
+    pytest.param(lambda: attacks.fgsm("l2"), "l2", id="fgm-l2"),
+    pytest.param(lambda: attacks.pgd("linf", steps=5), "linf", id="pgd-linf"),
+    pytest.param(lambda: attacks.pgd("l2", steps=5, loss="margin"), "l2", id="pgd-l2-margin"),
+    pytest.param(lambda: attacks.pgd("linf", steps=5, loss="dlr", restarts=3), "linf", id="pgd-dlr"),
+    pytest.param(
+        lambda: attacks.pgd("linf", steps=5, random_start=False, step_size=0.02), "linf", id="bim"
+    ),
+]
+EPS = {"linf": 0.1, "l2": 0.5}
+
+
+def _setup(norm):
+    params, x, y = linear_problem(n=16)
+    x = images(x)
+    eps = jnp.full((16,), EPS[norm], jnp.float32)
+    keys = attacks.per_example_keys(KEY, jnp.arange(16))
+    return WhiteBoxModel(linear_apply, params), x, jnp.asarray(y), eps, keys
+
+
+def _run(attack: Attack, model, keys, x, y, eps):
+    state = attack.init(attack.config, keys, x, y, eps, model)
+    states, cands = [state], []
+    for _ in range(attack.num_steps):
+        state, cand = attack.step(attack.config, state, model)
+        states.append(state)
+        cands.append(cand)
+    return states, cands
+
+
+@pytest.mark.parametrize("make, norm", ATTACKS)
+class TestConformance:
+    def test_factory_output(self, make, norm):
+        attack = make()
+        assert isinstance(attack, Attack)
+        assert attack.norm == norm and attack.kind == "white-box"
+        assert attack == make(), "building an attack twice must give an equal (cache-hit) attack"
+        hash(attack)
+
+    def test_state_type_stable_and_jittable(self, make, norm):
+        attack = make()
+        model, x, y, eps, keys = _setup(norm)
+        init = jax.jit(lambda k, x, y, e, p: attack.init(attack.config, k, x, y, e, model._replace(params=p)))
+        step = jax.jit(lambda s, p: attack.step(attack.config, s, model._replace(params=p)))
+        state = init(keys, x, y, eps, model.params)
+        new_state, cand = step(state, model.params)
+        assert jax.tree.structure(state) == jax.tree.structure(new_state)
+        for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(new_state)):
+            assert a.shape == b.shape and a.dtype == b.dtype
+        assert isinstance(cand, Candidate)
+        assert cand.x.shape == x.shape and cand.logits.shape == (16, 4)
+        assert hasattr(state, "x") and state.x.shape == x.shape
+
+    def test_candidates_in_box_and_ball(self, make, norm):
+        attack = make()
+        model, x, y, eps, keys = _setup(norm)
+        states, cands = _run(attack, model, keys, x, y, eps)
+        for point in [s.x for s in states] + [c.x for c in cands]:
+            assert float(point.min()) >= 0.0 and float(point.max()) <= 1.0
+            assert np.all(np.asarray(norms.norm(point - x, norm)) <= EPS[norm] * (1 + 1e-5) + 1e-6)
+
+    def test_candidate_logits_are_the_models(self, make, norm):
+        attack = make()
+        model, x, y, eps, keys = _setup(norm)
+        _, cands = _run(attack, model, keys, x, y, eps)
+        for cand in cands:
+            np.testing.assert_allclose(cand.logits, model.logits(cand.x), rtol=1e-5, atol=1e-5)
+
+    def test_same_key_same_output(self, make, norm):
+        attack = make()
+        model, x, y, eps, keys = _setup(norm)
+        a = _run(attack, model, keys, x, y, eps)[0][-1].x
+        b = _run(attack, model, keys, x, y, eps)[0][-1].x
+        np.testing.assert_array_equal(a, b)
+
+    def test_vmappable_over_restarts(self, make, norm):
+        attack = make()
+        model, x, y, eps, keys = _setup(norm)
+
+        def run(r):
+            k = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, r)
+            state = attack.init(attack.config, k, x, y, eps, model)
+            return attack.step(attack.config, state, model)[0].x
+
+        batched = jax.vmap(run)(jnp.arange(2))
+        np.testing.assert_allclose(batched[1], run(1), rtol=1e-6, atol=1e-6)
+
+    def test_no_retracing(self, make, norm):
+        attack = make()
+        params, x, y = linear_problem(n=8, seed=3)
+        run = lambda xx, e, k: bundle(  # noqa: E731
+            [attack], linear_apply, params, images(xx), jnp.asarray(y), k, eps=e, norm=norm
+        )
+        from jaxbundle.bundler import _bundle
+
+        before = _bundle._cache_size()
+        run(x, EPS[norm], KEY)
+        run(x[::-1].copy(), EPS[norm] / 2, jax.random.key(5))
+        params = jax.tree.map(lambda p: p * 2, params)
+        run(x, EPS[norm], KEY)
+        assert _bundle._cache_size() - before <= 1
+
+
+def test_random_start_differs_between_keys():
+    attack = attacks.pgd("linf", steps=1)
+    model, x, y, eps, keys = _setup("linf")
+    s1 = attack.init(attack.config, keys, x, y, eps, model)
+    s2 = attack.init(attack.config, attacks.per_example_keys(jax.random.key(1), jnp.arange(16)), x, y, eps, model)
+    assert not np.allclose(s1.x, s2.x)
+    assert not np.allclose(s1.x[0], s1.x[1] - x[1] + x[0]), "examples must not share noise"
+
+
+# ---------------------------------------------------------------------------------------------
+# Analytic oracles on linear models.
+
+
+@pytest.mark.parametrize("norm", ["linf", "l2"])
+def test_fgsm_is_exact_on_binary_linear_model(norm):
+    """With two classes the CE gradient is parallel to w_1 - w_0, so FGSM is the worst case."""
+    params, x, y = linear_problem(n=200, k=2, seed=1)
+    dist = min_distance(params, x, y, norm)
+    eps = float(np.median(dist))
+    r = bundle(
+        [attacks.fgsm(norm)], linear_apply, params, images(x), jnp.asarray(y), KEY,
+        eps=eps, norm=norm, quantize=False,
+    )
+    success = np.asarray(r.attack_success[0])
+    clear = np.abs(dist - eps) > 1e-3 * eps
+    assert clear.sum() > 150
+    np.testing.assert_array_equal(success[clear], (dist < eps)[clear])
+
+
+@pytest.mark.parametrize("norm", ["linf", "l2"])
+@pytest.mark.parametrize("classes", [2, 5])
+def test_pgd_succeeds_where_the_analytic_distance_allows(norm, classes):
+    """Binary: success exactly below the analytic distance. Multi-class: untargeted PGD can end
+    in the corner of a class that is not the nearest one (a local maximum of the margin), so
+    it must find nearly all, and can never beat the analytic distance."""
+    params, x, y = linear_problem(n=200, k=classes, seed=2)
+    dist = min_distance(params, x, y, norm)
+    eps = float(np.quantile(dist, 0.8))
+    attack = attacks.pgd(norm, loss="margin", steps=50, restarts=2)
+    r = bundle(
+        [attack], linear_apply, params, images(x), jnp.asarray(y), KEY, eps=eps, norm=norm,
+        quantize=False,
+    )
+    success = np.asarray(r.attack_success[0])
+    # Sound: nothing can succeed beyond the exact minimal distance.
+    assert not np.any(success & (dist > eps * (1 + 1e-4)))
+    # Strong: what lies clearly inside the ball is found. (From a random start on the L2
+    # sphere, 50 fixed-size steps turn towards the optimal direction only geometrically.)
+    inside = dist < (0.98 if norm == "linf" else 0.95) * eps
+    assert inside.sum() >= 50
+    assert success[inside].mean() >= (1.0 if classes == 2 else 0.9)
+
+
+@pytest.mark.parametrize("norm", ["linf", "l2"])
+@pytest.mark.parametrize("quantize", [False, True])
+def test_min_norm_goal_never_beats_the_analytic_minimum(norm, quantize):
+    params, x, y = linear_problem(n=100, k=4, seed=4)
+    dist = min_distance(params, x, y, norm)
+    eps = float(np.quantile(dist, 0.8))
+    r = bundle(
+        [attacks.pgd(norm, loss="margin", steps=30, restarts=2)], linear_apply, params,
+        images(x), jnp.asarray(y), KEY, eps=eps, norm=norm, goals=("min_norm",),
+        quantize=quantize,
+    )
+    best = r.best["min_norm"].score
+    found = np.asarray(best.misclassified)
+    # Rounding to the pixel grid costs up to 1/255 per pixel; these toy distances are tightly
+    # clustered just below eps, so only the unquantised run must find most of them.
+    assert found.sum() > (60 if not quantize else 30)
+    assert np.all(np.asarray(best.distortion)[found] >= dist[found] * (1 - 1e-4))
+    # The min-norm goal keeps at least every success of the misclassify goal.
+    assert np.all(found[np.asarray(r.attack_success[0])])
+
+
+def test_fgsm_l2_step_is_scaled_by_eps():
+    """Contrast 10 of the style guide: an L2 step that forgets eps would move by 1, not eps."""
+    params, x, y = linear_problem(n=8, seed=5)
+    model = WhiteBoxModel(linear_apply, params)
+    attack = attacks.fgsm("l2")
+    eps = jnp.full((8,), 0.037, jnp.float32)
+    x = images(x)
+    state = attack.init(attack.config, None, x, jnp.asarray(y), eps, model)
+    state, _ = attack.step(attack.config, state, model)
+    np.testing.assert_allclose(norms.norm(state.x - x, "l2"), 0.037, rtol=1e-5)
+
+
+def test_factories_reject_bad_arguments():
+    with pytest.raises(ValueError, match="norm"):
+        attacks.pgd("l3")
+    with pytest.raises(ValueError, match="loss"):
+        attacks.pgd(loss="hinge")
+    with pytest.raises(ValueError, match="steps"):
+        attacks.pgd(steps=0)
+    with pytest.raises(ValueError, match="step_size"):
+        attacks.pgd(step_size=-0.1)
+    with pytest.raises(ValueError, match="fgsm supports"):
+        attacks.fgsm("l1")

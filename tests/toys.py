@@ -1,0 +1,53 @@
+"""Tiny deterministic models with analytic answers, shared by the tests."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def linear_apply(params, x):
+    """A linear classifier: logits = flatten(x) @ w + b."""
+    return x.reshape(x.shape[0], -1) @ params["w"] + params["b"][None, :]
+
+
+def linear_problem(seed: int = 0, n: int = 64, d: int = 20, k: int = 4, spread: float = 0.05):
+    """A random linear model and 8-bit images near the middle of the box (the box rarely binds).
+
+    Labels are the model's own clean predictions, so every example is correctly classified.
+    """
+    rng = np.random.default_rng(seed)
+    w = rng.normal(size=(d, k)).astype(np.float32)
+    b = rng.normal(size=(k,)).astype(np.float32) * 0.1
+    x = 0.5 + spread * rng.uniform(-1, 1, size=(n, d))
+    x = (np.round(x * 255) / 255).astype(np.float32)  # on the 8-bit grid, like real images
+    params = {"w": jnp.asarray(w), "b": jnp.asarray(b)}
+    y = np.asarray(jnp.argmax(linear_apply(params, jnp.asarray(x)), axis=1)).astype(np.int32)
+    return params, x, y
+
+
+def min_distance(params, x, y, norm: str) -> np.ndarray:
+    """Exact minimal ``norm`` distance to misclassification of a linear model, ignoring the box.
+
+    Class j beats y once ``(w_j - w_y) . delta > z_y - z_j``; the smallest such delta has
+    ``||delta|| = (z_y - z_j) / ||w_y - w_j||_*`` with the dual norm (L1 for Linf, L2 for L2).
+    """
+    w = np.asarray(params["w"])
+    z = np.asarray(linear_apply(params, jnp.asarray(x)))
+    dual = {"linf": 1, "l2": 2, "l1": np.inf}[norm]
+    best = np.full(len(y), np.inf)
+    for j in range(w.shape[1]):
+        gap = z[np.arange(len(y)), y] - z[:, j]
+        diff = np.linalg.norm((w[:, y] - w[:, [j]]).T, ord=dual, axis=1)
+        dist = np.where(y == j, np.inf, gap / np.maximum(diff, 1e-12))
+        best = np.minimum(best, dist)
+    return best
+
+
+def images(x, shape=(4, 5, 1)):
+    """Reshapes flat toy inputs to image batches [N, H, W, C]."""
+    return jnp.asarray(x).reshape((x.shape[0],) + shape)
+
+
+KEY = jax.random.key(0)
