@@ -209,11 +209,12 @@ def _bundle(
     keys = per_example_keys(key, example_id)
 
     clean = candidate_state(x, model.logits(x), x, y, norm, -1, 0, 0)
-    best = {g: clean for g in goal_names}
+    start = {g: clean for g in goal_names}  # every attack starts alone from the clean image
+    best = start
     successes = []
     for index, attack in enumerate(attacks):
         found = _run_attack(
-            attack, index, model, keys, x, y, eps, norm, goal_names, best, unroll, restart_mode
+            attack, index, model, keys, x, y, eps, norm, goal_names, start, unroll, restart_mode
         )
         found = {g: verify(found[g], g, model, x, y, eps, norm, quantize) for g in goal_names}
         found = _cross_fold(goal_names, eps, found)

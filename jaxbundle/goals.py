@@ -8,9 +8,10 @@ each with its own best candidate, from the same stream of candidates.
 Goals (``eps`` is the threat model's radius, per example):
 
 ``misclassify``
-    Bundled error rate. A success is a misclassified candidate within eps. The first success
-    is kept; before one is found, the candidate with the largest margin (closest to the
-    decision boundary) is kept.
+    Bundled error rate. A success is a misclassified candidate within eps. Keeps the candidate
+    within eps with the largest margin ``max_{j != y} z_j - z_y``: a success (margin > 0) is
+    never replaced by a failure, and among successes the one deepest inside a wrong class is
+    kept, the one most likely to survive rounding to the pixel grid at verification.
 ``max_confidence``
     Failure rate of a confidence-thresholding defence (CleverHans' MaxConfidence). Keeps the
     candidate within eps with the highest probability on a wrong class.
@@ -40,12 +41,6 @@ __all__ = [
     "check_goals",
 ]
 
-# Relative and absolute slack on "distortion <= eps": float32 rounding of a projection onto
-# the ball may land a hair outside it. 1e-5 relative is far below one pixel level (1/255).
-_REL_TOL = 1e-5
-_ABS_TOL = 1e-7
-
-
 class Score(NamedTuple):
     """What a goal needs to know about one candidate per example (all ``[B]``)."""
 
@@ -71,14 +66,12 @@ def score(x: jax.Array, logits: jax.Array, x0: jax.Array, y: jax.Array, norm: st
 
 def within(s: Score, eps: jax.Array) -> jax.Array:
     """Whether the candidate lies inside the eps ball (with float32 slack)."""
-    return s.distortion <= eps * (1 + _REL_TOL) + _ABS_TOL
+    return s.distortion <= eps * (1 + norms.BALL_RTOL) + norms.BALL_ATOL
 
 
 def misclassify(best: Score, cand: Score, eps: jax.Array) -> jax.Array:
     ok = within(cand, eps)
-    best_done = best.misclassified & within(best, eps)
-    closer = ok & (cand.margin > best.margin)
-    return ~best_done & ((ok & cand.misclassified) | closer)
+    return ok & (~within(best, eps) | (cand.margin > best.margin))
 
 
 def max_confidence(best: Score, cand: Score, eps: jax.Array) -> jax.Array:

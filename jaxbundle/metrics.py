@@ -57,7 +57,7 @@ class Counts(NamedTuple):
     ) -> "Counts":
         """Counts one batch; ``mask`` ``[B]`` is False on padding rows."""
         m = jnp.asarray(mask, bool)
-        count = lambda v: jnp.sum(v & m, axis=-1, dtype=jnp.int32)  # noqa: E731
+        count = lambda v: jnp.sum(v & jnp.broadcast_to(m, v.shape), axis=-1, dtype=jnp.int32)  # noqa: E731
         eps = jnp.broadcast_to(jnp.asarray(eps, jnp.float32), m.shape)
         clean_correct = ~result.clean.misclassified
         fooled = goals_lib.success("misclassify", result.best["misclassify"].score, eps)

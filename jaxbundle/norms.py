@@ -23,9 +23,16 @@ __all__ = [
     "quantize",
     "PIXEL_LEVELS",
     "per_example",
+    "in_ball",
+    "BALL_RTOL",
+    "BALL_ATOL",
 ]
 
 NORMS = ("linf", "l2", "l1")
+# Slack on "||delta|| <= eps": float32 rounding of a projection may land a hair outside the
+# ball. Both are far below one pixel level (1/255 = 3.9e-3).
+BALL_RTOL = 1e-5
+BALL_ATOL = 1e-6
 PIXEL_LEVELS = 255  # an 8-bit image has 256 values: k / 255 for k = 0..255
 
 
@@ -55,6 +62,11 @@ def norm(delta: jax.Array, name: str) -> jax.Array:
     if name == "l1":
         return jnp.sum(jnp.abs(flat), axis=1)
     raise ValueError(f"unknown norm {name!r}; expected one of {NORMS}")
+
+
+def in_ball(delta: jax.Array, eps: float | jax.Array, name: str) -> jax.Array:
+    """Per-example ``||delta|| <= eps`` up to float32 slack (:data:`BALL_RTOL`, :data:`BALL_ATOL`)."""
+    return norm(delta, name) <= jnp.asarray(eps) * (1 + BALL_RTOL) + BALL_ATOL
 
 
 def _project_l1(flat: jax.Array, eps: jax.Array) -> jax.Array:
@@ -154,8 +166,10 @@ def quantize(
     nearest = jnp.clip(jnp.round(x * levels), 0, levels) / levels
     if eps is None:
         return nearest
-    towards = jnp.round(x0 * levels) + jnp.trunc((x - x0) * levels)
+    steps = (x - x0) * levels
+    # Truncate towards x0; the 1e-4 keeps a float 0.99997 of a level from truncating to 0.
+    towards = jnp.round(x0 * levels) + jnp.trunc(steps + jnp.sign(steps) * 1e-4)
     towards = jnp.clip(towards, 0, levels) / levels
     eps = jnp.broadcast_to(jnp.asarray(eps, x.dtype), x.shape[:1])
-    outside = norm(nearest - x0, name) > eps
+    outside = ~in_ball(nearest - x0, eps, name)
     return jnp.where(per_example(outside, x), towards, nearest)
