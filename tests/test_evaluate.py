@@ -1,0 +1,183 @@
+"""The evaluation driver and the metric reducers."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from jaxbundle import attacks
+from jaxbundle.evaluate import evaluate
+from jaxbundle.metrics import Counts, relative_robustness
+from toys import images, linear_apply, linear_problem, min_distance
+
+ATTACKS = [attacks.fgsm(), attacks.pgd(steps=4, restarts=2)]
+
+
+@pytest.fixture(scope="module")
+def problem():
+    params, x, y = linear_problem(n=37, k=4, seed=20)
+    eps = float(np.quantile(min_distance(params, x, y, "linf"), 0.5))
+    return params, np.asarray(images(x)), y, eps
+
+
+def _run(problem, **kw):
+    params, x, y, eps = problem
+    kw.setdefault("seed", 3)
+    return evaluate(linear_apply, params, x, y, ATTACKS, eps=eps, mesh=None, **kw)
+
+
+def test_batch_size_does_not_change_any_per_example_result(problem):
+    a = _run(problem, batch_size=37)
+    b = _run(problem, batch_size=8)  # 5 batches, the last padded with 3 real rows
+    assert a.metrics == b.metrics
+    assert set(a.per_example) == set(b.per_example)
+    for k in a.per_example:
+        np.testing.assert_allclose(a.per_example[k], b.per_example[k], rtol=0, atol=1e-6, err_msg=k)
+    assert a.per_example["success"].shape == (37,)
+    assert 0 < a.metrics["robust_accuracy"] < a.metrics["clean_accuracy"]
+
+
+def test_metrics_match_the_per_example_arrays(problem):
+    ev = _run(problem, batch_size=16)
+    pe = ev.per_example
+    clean_ok = pe["clean_prediction"] == pe["label"]
+    assert ev.metrics["clean_accuracy"] == pytest.approx(100 * clean_ok.mean())
+    assert ev.metrics["robust_accuracy"] == pytest.approx(100 * (clean_ok & ~pe["success"]).mean())
+    for i, name in enumerate(ev.attack_names):
+        alone = clean_ok & ~pe["attack_success"][:, i]
+        assert ev.metrics["mat"][name] == pytest.approx(100 * alone.mean())
+    assert ev.metrics["wat"] == min(ev.metrics["mat"].values())
+    assert ev.metrics["robust_accuracy"] <= ev.metrics["wat"]
+    rr = 100 * (clean_ok & ~pe["success"]).sum() / clean_ok.sum()
+    assert ev.metrics["relative_robustness"] == pytest.approx(rr)
+    fooled = pe["success"]
+    np.testing.assert_array_equal(pe["adversarial_prediction"][fooled] != pe["label"][fooled], True)
+    assert np.all(pe["distortion"][fooled] <= problem[3] + 1e-6)
+
+
+def test_checkpoint_resume_is_bit_identical(problem, tmp_path):
+    reference = _run(problem, batch_size=8)
+
+    class Stop(Exception):
+        pass
+
+    def interrupt(done, total):
+        if done == 2:
+            raise Stop
+
+    with pytest.raises(Stop):
+        _run(problem, batch_size=8, checkpoint_dir=str(tmp_path), progress=interrupt)
+    seen = []
+    resumed = _run(problem, batch_size=8, checkpoint_dir=str(tmp_path),
+                   progress=lambda d, t: seen.append(d))
+    assert seen == [3, 4, 5], "the resumed run must skip the finished batches"
+    assert resumed.metrics == reference.metrics
+    for k in reference.per_example:
+        np.testing.assert_array_equal(resumed.per_example[k], reference.per_example[k], err_msg=k)
+    with pytest.raises(ValueError, match="different evaluation"):
+        _run(problem, batch_size=8, checkpoint_dir=str(tmp_path), seed=4)
+
+
+def test_eight_devices_give_the_same_answer(problem, tmp_path):
+    """Sharding the batch over a mesh of 8 (fake CPU) devices changes nothing."""
+    params, x, y, eps = problem
+    np.savez(tmp_path / "p.npz", w=params["w"], b=params["b"], x=x, y=y, eps=eps)
+    script = textwrap.dedent(
+        f"""
+        import os
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+        import jax, numpy as np
+        from jaxbundle import attacks
+        from jaxbundle.evaluate import evaluate
+        from toys import linear_apply
+        assert jax.local_device_count() == 8
+        d = np.load(r"{tmp_path / 'p.npz'}")
+        params = {{"w": d["w"], "b": d["b"]}}
+        ev = evaluate(linear_apply, params, d["x"], d["y"],
+                      [attacks.fgsm(), attacks.pgd(steps=4, restarts=2)],
+                      eps=float(d["eps"]), seed=3, batch_size=16, mesh="auto")
+        np.savez(r"{tmp_path / 'out.npz'}", **ev.per_example)
+        print(ev.metrics["robust_accuracy"])
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(__file__))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    single = _run(problem, batch_size=16)
+    assert float(out.stdout.strip().splitlines()[-1]) == single.metrics["robust_accuracy"]
+    with np.load(tmp_path / "out.npz") as sharded:
+        for k in single.per_example:
+            np.testing.assert_allclose(sharded[k], single.per_example[k], atol=1e-6, err_msg=k)
+
+
+def test_evaluate_rejects_bad_data(problem):
+    params, x, y, eps = problem
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        evaluate(linear_apply, params, x * 2, y, ATTACKS, eps=eps)
+    with pytest.raises(ValueError, match="batch_size"):
+        evaluate(linear_apply, params, x, y, ATTACKS, eps=eps, batch_size=0)
+    with pytest.raises(ValueError, match="empty"):
+        evaluate(linear_apply, params, x[:0], y[:0], ATTACKS, eps=eps)
+
+
+# ---------------------------------------------------------------------------------------------
+# Reducers: merge is associative and commutative with empty() as identity.
+
+counts_strategy = st.builds(
+    lambda v: Counts(
+        n=jnp.int32(v[0]), clean_correct=jnp.int32(v[1]), robust_correct=jnp.int32(v[2]),
+        attack_correct=jnp.asarray(v[3:5], jnp.int32),
+        confident_failures=jnp.asarray(v[5:9], jnp.int32),
+    ),
+    st.lists(st.integers(0, 10_000), min_size=9, max_size=9),
+)
+
+
+@given(counts_strategy, counts_strategy, counts_strategy)
+def test_merge_is_associative_commutative_with_identity(a, b, c):
+    same = lambda p, q: all(np.array_equal(u, v) for u, v in zip(p, q))  # noqa: E731
+    assert same(a.merge(b).merge(c), a.merge(b.merge(c)))
+    assert same(a.merge(b), b.merge(a))
+    assert same(a.merge(Counts.empty(2)), a)
+
+
+def test_merging_batches_equals_one_pass(problem):
+    from jaxbundle.bundler import bundle
+
+    params, x, y, eps = problem
+    key = jax.random.key(0)
+    ids = jnp.arange(37, dtype=jnp.int32)
+    mask = jnp.ones(37, bool)
+    whole = Counts.from_result(
+        bundle(ATTACKS, linear_apply, params, x, y, key, eps=eps, example_id=ids), mask, eps
+    )
+    parts = Counts.empty(2)
+    for lo, hi in [(0, 10), (10, 11), (11, 37)]:
+        r = bundle(ATTACKS, linear_apply, params, x[lo:hi], y[lo:hi], key, eps=eps, example_id=ids[lo:hi])
+        parts = parts.merge(Counts.from_result(r, mask[lo:hi], eps))
+    for u, v in zip(whole, parts):
+        np.testing.assert_array_equal(u, v)
+
+
+def test_hand_computed_figures():
+    c = Counts(
+        n=jnp.int32(10), clean_correct=jnp.int32(8), robust_correct=jnp.int32(2),
+        attack_correct=jnp.asarray([6, 4], jnp.int32), confident_failures=jnp.asarray([5, 3, 1, 0], jnp.int32),
+    )
+    f = c.compute(["a", "b"])
+    assert f["clean_accuracy"] == 80.0 and f["robust_accuracy"] == 20.0
+    assert f["relative_robustness"] == 25.0
+    assert f["mat"] == {"a": 60.0, "b": 40.0} and f["wat"] == 40.0 and f["wat_attack"] == "b"
+    assert f["confident_failure_rate"] == {"0.5": 50.0, "0.7": 30.0, "0.9": 10.0, "0.99": 0.0}
+    assert relative_robustness(0, 0) is None
+    with pytest.raises(ValueError, match="attack names"):
+        c.compute(["a"])
