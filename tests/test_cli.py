@@ -1,0 +1,96 @@
+"""The ``jaxbundle`` command: flags, errors, and an end-to-end run on a small subset."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jaxbundle.cli import main
+
+TINY = ["--n", "24", "--train-examples", "300", "--train-epochs", "1", "--steps", "3",
+        "--restarts", "2", "--batch-size", "16", "--no-progress"]
+
+
+def test_attacks_lists_every_attack(capsys):
+    assert main(["attacks"]) == 0
+    out = capsys.readouterr().out
+    for text in ("fgsm", "pgd", "linf", "white-box", "Madry", "Goodfellow"):
+        assert text in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["evaluate", "--eps", "-1"], "finite number >= 0"),
+        (["evaluate", "--n", "0"], "positive integer"),
+        (["evaluate", "--norm", "l7"], "invalid choice"),
+        (["evaluate", "--steps", "many"], "positive integer"),
+        (["evaluate", "--attacks", ""], "comma-separated"),
+    ],
+)
+def test_bad_flags_exit_2_with_a_message(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["evaluate", "--attacks", "fgsm,cw"], "unknown attack 'cw'"),
+        (["evaluate", "--models", "resnet"], "unknown model"),
+        (["evaluate", "--n", "5000"], "2000"),
+    ],
+)
+def test_bad_values_exit_2_with_a_message(argv, message, capsys, tmp_path):
+    assert main(argv + ["--out", str(tmp_path), "--cache-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and message in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_evaluate_end_to_end(tmp_path):
+    """The console entry point trains tiny models, attacks 24 images and writes the report."""
+    out = tmp_path / "report"
+    cmd = [sys.executable, "-m", "jaxbundle", "evaluate", *TINY, "--out", str(out),
+           "--cache-dir", str(tmp_path / "cache"), "--seed", "5"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "bundled robust" in run.stdout and "MAT" in run.stdout
+
+    report = json.loads((out / "report.json").read_text())
+    assert report["schema_version"] == 1
+    assert report["config"]["attacks"] == ["fgsm", "pgd-ce", "pgd-margin"]
+    assert set(report["models"]) == {"standard", "adversarial"}
+    for name, m in report["models"].items():
+        for key in ("clean_accuracy", "robust_accuracy", "relative_robustness", "mat", "wat",
+                    "n_examples", "eps", "norm", "seed"):
+            assert key in m, key
+        assert m["n_examples"] == 24 and m["eps"] == 0.3 and m["norm"] == "linf" and m["seed"] == 5
+        assert set(m["mat"]) == {"fgsm", "pgd-ce", "pgd-margin"}
+        assert m["robust_accuracy"] <= m["wat"] == min(m["mat"].values()) <= m["clean_accuracy"]
+        with np.load(out / m["per_example"]) as pe:
+            assert pe["success"].shape == (24,) and pe["x_adv"].dtype == np.uint8
+            assert list(pe["attack_names"]) == ["fgsm", "pgd-ce", "pgd-margin"]
+            clean_ok = pe["clean_prediction"] == pe["label"]
+            assert m["clean_accuracy"] == pytest.approx(100 * clean_ok.mean())
+            assert m["robust_accuracy"] == pytest.approx(100 * (clean_ok & ~pe["success"]).mean())
+            fooled = pe["success"]
+            assert np.all(pe["adversarial_prediction"][fooled] != pe["label"][fooled])
+            assert np.all(pe["distortion"][fooled] <= 0.3 + 1e-6)
+
+    # A second run reuses the cached weights and, with the same seed, repeats the figures.
+    again = subprocess.run(cmd[:-2] + ["--seed", "5"], capture_output=True, text=True, timeout=900)
+    assert again.returncode == 0, again.stderr[-3000:]
+    report2 = json.loads((out / "report.json").read_text())
+    for name in report["models"]:
+        for key in ("clean_accuracy", "robust_accuracy", "mat"):
+            assert report2["models"][name][key] == report["models"][name][key]
+    assert len(os.listdir(tmp_path / "cache" / "models")) >= 2
