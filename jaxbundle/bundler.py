@@ -104,7 +104,8 @@ def verify(
 
     The image is quantised to the 8-bit grid (for goals bound to eps, without leaving the
     ball), re-run through the model in float32 and rescored. A candidate outside the box, with
-    non-finite logits, or (for eps-bound goals) outside the ball is marked not misclassified.
+    non-finite logits, or (for eps-bound goals) outside the ball gets the worst score (not
+    misclassified, margin -inf, distortion inf), so that it never wins a fold.
     """
     bound = goal != "min_norm"
     x = norms.quantize(best.x, x0, eps if bound else None, norm) if quantize else best.x
@@ -114,13 +115,33 @@ def verify(
     valid = jnp.all((flat >= 0.0) & (flat <= 1.0), axis=1) & jnp.all(jnp.isfinite(logits), axis=1)
     if bound:
         valid &= goals_lib.within(s, eps)
-    return best._replace(x=x, score=s._replace(misclassified=s.misclassified & valid))
+    # An invalid image must never win a fold for any goal: worst possible score.
+    invalid = goals_lib.Score(
+        misclassified=jnp.zeros_like(s.misclassified),
+        distortion=jnp.full_like(s.distortion, jnp.inf),
+        confidence=jnp.zeros_like(s.confidence),
+        margin=jnp.full_like(s.margin, -jnp.inf),
+        prediction=s.prediction,
+    )
+    s = jax.tree.map(lambda good, bad: jnp.where(valid, good, bad), s, invalid)
+    return best._replace(x=x, score=s)
 
 
 def _fold_all(
     goal_names: tuple[str, ...], eps: jax.Array, best: dict[str, BestState], cand: BestState
 ) -> dict[str, BestState]:
+    """Folds one candidate into every goal's best state."""
     return {g: fold(g, eps, best[g], cand) for g in goal_names}
+
+
+def _fold_each(
+    goal_names: tuple[str, ...],
+    eps: jax.Array,
+    best: dict[str, BestState],
+    cand: dict[str, BestState],
+) -> dict[str, BestState]:
+    """Folds each goal's candidate into that goal's best state."""
+    return {g: fold(g, eps, best[g], cand[g]) for g in goal_names}
 
 
 def _fold_leading_axis(
@@ -131,7 +152,7 @@ def _fold_leading_axis(
     rest = jax.tree.map(lambda a: a[1:], stacked)
 
     def body(best, cand_by_goal):
-        return {g: fold(g, eps, best[g], cand_by_goal[g]) for g in goal_names}, None
+        return _fold_each(goal_names, eps, best, cand_by_goal), None
 
     best, _ = jax.lax.scan(body, first, rest)
     return best
@@ -219,7 +240,7 @@ def _bundle(
         found = {g: verify(found[g], g, model, x, y, eps, norm, quantize) for g in goal_names}
         found = _cross_fold(goal_names, eps, found)
         successes.append(goals_lib.success("misclassify", found["misclassify"].score, eps))
-        best = _fold_all_states(goal_names, eps, best, found)
+        best = _fold_each(goal_names, eps, best, found)
 
     gradients = sum(a.gradients for a in attacks)
     return BundleResult(
@@ -228,10 +249,6 @@ def _bundle(
         attack_success=jnp.stack(successes) if successes else jnp.zeros((0,) + y.shape, bool),
         gradients=jnp.full(y.shape, gradients, dtype=jnp.int32),
     )
-
-
-def _fold_all_states(goal_names, eps, best, found):
-    return {g: fold(g, eps, best[g], found[g]) for g in goal_names}
 
 
 def _cross_fold(

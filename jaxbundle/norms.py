@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = [
     "NORMS",
@@ -76,12 +77,15 @@ def _project_l1(flat: jax.Array, eps: jax.Array) -> jax.Array:
     mu = -jnp.sort(-abs_v, axis=1)  # descending
     cumsum = jnp.cumsum(mu, axis=1)
     ranks = jnp.arange(1, flat.shape[1] + 1, dtype=flat.dtype)
-    cond = mu - (cumsum - eps[:, None]) / ranks > 0
+    cond = mu - (cumsum - eps[:, None]) / ranks[None, :] > 0
     rho = jnp.sum(cond, axis=1)  # number of active coordinates, >= 1 when outside
     theta = (jnp.take_along_axis(cumsum, jnp.maximum(rho - 1, 0)[:, None], axis=1)[:, 0] - eps) / (
         jnp.maximum(rho, 1).astype(flat.dtype)
     )
     shrunk = jnp.sign(flat) * jnp.maximum(abs_v - theta[:, None], 0.0)
+    # With many tied |v_i| float32 rounding of theta can overshoot the radius; rescale.
+    l1 = jnp.sum(jnp.abs(shrunk), axis=1)
+    shrunk = shrunk * jnp.minimum(1.0, eps / jnp.maximum(l1, 1e-30))[:, None]
     return jnp.where(inside[:, None], flat, shrunk)
 
 
@@ -129,8 +133,11 @@ def normalize(g: jax.Array, name: str) -> jax.Array:
     if name == "linf":
         return jnp.sign(g)
     if name == "l2":
+        # Divide by max|g| first: squaring a tiny gradient (1e-20) would underflow to zero.
+        scale = jnp.max(jnp.abs(_flat(g)), axis=1)
+        g = g / per_example(jnp.where(scale > 0, scale, 1.0), g)
         n = norm(g, "l2")
-        return g / per_example(jnp.maximum(n, 1e-12), g)
+        return g / per_example(jnp.where(n > 0, n, 1.0), g)
     if name == "l1":
         flat = _flat(g)
         top = jnp.argmax(jnp.abs(flat), axis=1)
@@ -163,13 +170,16 @@ def quantize(
     Returns:
       Images on the grid, in the box, and in the ball wherever ``x`` and ``x0`` allow it.
     """
-    nearest = jnp.clip(jnp.round(x * levels), 0, levels) / levels
+    # Grid values from a table computed in numpy: XLA's k / 255 is not always the correctly
+    # rounded float32 that uint8 / 255 gives, and a clean image must map to itself exactly.
+    grid = jnp.asarray(np.arange(levels + 1, dtype=np.float32) / np.float32(levels))
+    on_grid = lambda k: grid[jnp.clip(k, 0, levels).astype(jnp.int32)]  # noqa: E731
+    nearest = on_grid(jnp.round(x * levels))
     if eps is None:
         return nearest
     steps = (x - x0) * levels
     # Truncate towards x0; the 1e-4 keeps a float 0.99997 of a level from truncating to 0.
-    towards = jnp.round(x0 * levels) + jnp.trunc(steps + jnp.sign(steps) * 1e-4)
-    towards = jnp.clip(towards, 0, levels) / levels
+    towards = on_grid(jnp.round(x0 * levels) + jnp.trunc(steps + jnp.sign(steps) * 1e-4))
     eps = jnp.broadcast_to(jnp.asarray(eps, x.dtype), x.shape[:1])
     outside = ~in_ball(nearest - x0, eps, name)
     return jnp.where(per_example(outside, x), towards, nearest)

@@ -1,0 +1,566 @@
+"""Property tests for jaxbundle.norms: norms, projections, steepest directions, quantisation."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from hypothesis.extra import numpy as hnp
+
+from jaxbundle import norms
+
+NAMES = ("linf", "l2", "l1")
+ORD = {"linf": np.inf, "l2": 2, "l1": 1}
+DUAL = {"linf": "l1", "l2": "l2", "l1": "linf"}
+OPTAX_BALL = {
+    "linf": optax.projections.projection_linf_ball,
+    "l2": optax.projections.projection_l2_ball,
+    "l1": optax.projections.projection_l1_ball,
+}
+
+OPTAX_BATCHED = {k: jax.jit(jax.vmap(f)) for k, f in OPTAX_BALL.items()}
+
+F32 = dict(allow_nan=False, allow_infinity=False, allow_subnormal=False, width=32)
+
+# XLA compiles once per (function, shape, static args); a few fixed shapes keep this fast.
+SHAPES = ((1, 20), (3, 3), (4, 4, 4, 1))
+
+norm = jax.jit(norms.norm, static_argnames="name")
+normalize = jax.jit(norms.normalize, static_argnames="name")
+quantize = jax.jit(norms.quantize, static_argnames=("name", "levels"))
+in_ball = jax.jit(norms.in_ball, static_argnames="name")
+
+project_ball = jax.jit(norms.project_ball, static_argnames="name")
+project = jax.jit(norms.project, static_argnames="name")
+
+
+# --- Strategies -------------------------------------------------------------------------
+
+
+def shapes():
+    return st.sampled_from(SHAPES)
+
+
+def arrays(shape, lo=-2.0, hi=2.0):
+    return hnp.arrays(np.float32, shape, elements=st.floats(lo, hi, **F32))
+
+
+@st.composite
+def batch(draw, lo=-2.0, hi=2.0):
+    return draw(arrays(draw(shapes()), lo, hi))
+
+
+def radius(hi=4.0):
+    return st.one_of(st.just(0.0), st.floats(0.0, hi, **F32))
+
+
+@st.composite
+def eps_for(draw, b, hi=4.0):
+    """A per-example float32 eps ``[B]`` (all equal half of the time, like a scalar eps)."""
+    if draw(st.booleans()):
+        return np.full((b,), draw(radius(hi)), np.float32)
+    return draw(hnp.arrays(np.float32, (b,), elements=radius(hi)))
+
+
+@st.composite
+def batch_and_eps(draw, lo=-2.0, hi=2.0, eps_hi=4.0):
+    x = draw(batch(lo, hi))
+    return x, draw(eps_for(x.shape[0], eps_hi))
+
+
+def eps_rows(eps, b):
+    return np.broadcast_to(np.asarray(eps, np.float32), (b,)).astype(np.float64)
+
+
+def flat64(x):
+    x = np.asarray(x)
+    return x.reshape(x.shape[0], -1).astype(np.float64)
+
+
+def np_norm(x, name):
+    return np.linalg.norm(flat64(x), ord=ORD[name], axis=1)
+
+
+def l1_slack(x):
+    """Float32 rounding of the L1 projection: about one ulp of max|x| per active coordinate.
+
+    Looser than in_ball's slack; see test_project_l1_exactly_feasible_with_ties.
+    """
+    f = flat64(x)
+    return 2.0 * f.shape[1] * np.abs(f).max(axis=1) * 2.0**-23
+
+
+def assert_in_ball(delta, eps, name, rel=1e-5, abs_=1e-6, slack=0.0):
+    n = np_norm(delta, name)
+    bound = eps_rows(eps, n.shape[0]) * (1 + rel) + abs_ + slack
+    assert np.all(n <= bound), (name, n, bound)
+
+
+# --- norm -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+@given(x=batch())
+def test_norm_matches_numpy(name, x):
+    got = np.asarray(norm(jnp.asarray(x), name))
+    assert got.shape == (x.shape[0],)
+    np.testing.assert_allclose(got, np_norm(x, name), rtol=1e-5, atol=1e-6)
+
+
+def test_norm_hand_values():
+    d = jnp.array([[3.0, -4.0, 0.0], [0.0, 0.0, 0.0], [-1.0, 1.0, -1.0]])
+    np.testing.assert_allclose(norm(d, "linf"), [4.0, 0.0, 1.0])
+    np.testing.assert_allclose(norm(d, "l2"), [5.0, 0.0, np.sqrt(3.0)], rtol=1e-6)
+    np.testing.assert_allclose(norm(d, "l1"), [7.0, 0.0, 3.0])
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda: norms.check_norm("l0"),
+        lambda: norms.norm(jnp.ones((2, 3)), "l0"),
+        lambda: norms.project_ball(jnp.ones((2, 3)), 1.0, "L2"),
+        lambda: norms.normalize(jnp.ones((2, 3)), "linf2"),
+    ],
+)
+def test_unknown_norm_raises(fn):
+    with pytest.raises(ValueError):
+        fn()
+
+
+def test_check_norm_accepts_known():
+    for name in NAMES:
+        assert norms.check_norm(name) == name
+
+
+@pytest.mark.parametrize("name", NAMES)
+@given(data=batch_and_eps())
+def test_in_ball_is_norm_below_eps_with_slack(name, data):
+    x, eps = data
+    n = np.asarray(norm(jnp.asarray(x), name)).astype(np.float64)
+    got = np.asarray(in_ball(jnp.asarray(x), jnp.asarray(eps), name))
+    e = eps_rows(eps, x.shape[0])
+    bound = e * (1 + norms.BALL_RTOL) + norms.BALL_ATOL
+    clear = np.abs(n - bound) > 1e-6 * np.maximum(1.0, bound)  # away from float ties
+    np.testing.assert_array_equal(got[clear], (n <= bound)[clear])
+
+
+def test_in_ball_slack_is_tiny():
+    # Far below one pixel level: 1% of a level outside an eps 0.3 ball is outside.
+    assert 0 < norms.BALL_RTOL <= 1e-4 and 0 < norms.BALL_ATOL <= 1e-5
+    delta = jnp.array([[0.3, -0.1, 0.0], [0.3 + 0.01 / 255, 0.0, 0.0]], jnp.float32)
+    np.testing.assert_array_equal(norms.in_ball(delta, 0.3, "linf"), [True, False])
+
+
+def test_per_example_broadcasts():
+    x = jnp.zeros((3, 4, 4, 1))
+    v = jnp.arange(3.0)
+    out = norms.per_example(v, x)
+    assert out.shape == (3, 1, 1, 1)
+    np.testing.assert_array_equal((x + out)[:, 2, 1, 0], [0.0, 1.0, 2.0])
+
+
+# --- project_ball -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+@given(data=batch_and_eps())
+def test_project_ball_feasible_and_idempotent(name, data):
+    x, eps = data
+    p = project_ball(jnp.asarray(x), eps, name)
+    assert p.shape == x.shape and p.dtype == jnp.float32
+    assert_in_ball(p, eps, name, slack=l1_slack(x) if name == "l1" else 0.0)
+    p2 = project_ball(p, eps, name)
+    np.testing.assert_allclose(np.asarray(p2), np.asarray(p), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@given(x=batch(), factor=st.sampled_from([1.0, 1.5, 1e3]), per_example=st.booleans())
+def test_project_ball_is_identity_inside(name, x, factor, per_example):
+    n = np.asarray(norm(jnp.asarray(x), name))
+    eps = n * np.float32(factor) if per_example else float(np.max(n)) * factor
+    p = np.asarray(project_ball(jnp.asarray(x), eps, name))
+    if factor > 1:
+        np.testing.assert_array_equal(p, x)
+    else:  # on the sphere: another summation order may see the norm one ulp above eps
+        np.testing.assert_allclose(p, x, rtol=0, atol=4 * 2.0**-23 * np.abs(x).max())
+
+
+@pytest.mark.parametrize("name", NAMES)
+@given(data=batch_and_eps())
+def test_project_ball_matches_optax(name, data):
+    x, eps = data
+    b = x.shape[0]
+    e = eps_rows(eps, b).astype(np.float32)
+    flat = jnp.asarray(x.reshape(b, -1))
+    ref = np.asarray(OPTAX_BATCHED[name](flat, jnp.asarray(e)))
+    # optax divides 0/0 on a zero radius (or a zero row with eps**2 underflowing); the
+    # projection of 0, and onto {0}, is 0.
+    zero = (e[:, None] == 0) | ~np.any(x.reshape(b, -1) != 0, axis=1, keepdims=True)
+    ref = np.where(zero, 0.0, ref)
+    got = np.asarray(project_ball(jnp.asarray(x), eps, name)).reshape(b, -1)
+    # optax's L2 ball squares norms and radii: below ~1e-19 they underflow to inf / nan.
+    fine = np.all(np.isfinite(ref), axis=1)
+    assert fine.any() or np.abs(x).max() < 1e-18 or e.max() < 1e-18
+    np.testing.assert_allclose(got[fine], ref[fine], rtol=1e-5, atol=2e-5)
+
+
+def _l1_projection_reference(v, eps):
+    """Euclidean projection onto the L1 ball in float64 by bisection on the threshold."""
+    a = np.abs(v)
+    if a.sum() <= eps:
+        return v.copy()
+    lo, hi = 0.0, a.max()
+    for _ in range(200):
+        mid = 0.5 * (lo + hi)
+        if np.maximum(a - mid, 0).sum() > eps:
+            lo = mid
+        else:
+            hi = mid
+    return np.sign(v) * np.maximum(a - 0.5 * (lo + hi), 0)
+
+
+@given(data=batch_and_eps())
+def test_project_l1_is_the_euclidean_projection(data):
+    x, eps = data
+    b = x.shape[0]
+    e = eps_rows(eps, b)
+    v = flat64(x)
+    p = flat64(project_ball(jnp.asarray(x), eps, "l1"))
+    for i in range(b):
+        ref = _l1_projection_reference(v[i], e[i])
+        np.testing.assert_allclose(p[i], ref, atol=2e-5)
+        if np.abs(v[i]).sum() <= e[i]:
+            continue
+        # KKT structure: p = sign(v) * max(|v| - theta, 0) with ||p||_1 = eps.
+        np.testing.assert_allclose(np.abs(p[i]).sum(), e[i], rtol=1e-5, atol=1e-5)
+        assert np.all(p[i] * v[i] >= 0)  # never flips a sign
+        active = np.abs(p[i]) > 0
+        theta = np.abs(v[i]) - np.abs(p[i])
+        if active.any():
+            t = theta[active].mean()
+            np.testing.assert_allclose(theta[active], t, atol=3e-5)
+            assert np.all(np.abs(v[i])[~active] <= t + 3e-5)
+
+
+@given(data=batch_and_eps(), seed=st.integers(0, 2**16))
+def test_project_l1_beats_random_feasible_points(data, seed):
+    x, eps = data
+    b = x.shape[0]
+    e = eps_rows(eps, b)
+    v = flat64(x)
+    p = flat64(project_ball(jnp.asarray(x), eps, "l1"))
+    rng = np.random.default_rng(seed)
+    for i in range(b):
+        q = rng.standard_normal((64, v.shape[1])) * rng.exponential(size=(64, v.shape[1]))
+        q[:32] += v[i]  # some near v, some near the origin
+        q *= np.minimum(1.0, e[i] / np.maximum(np.abs(q).sum(axis=1, keepdims=True), 1e-30))
+        best = np.linalg.norm(v[i] - p[i])
+        assert np.all(best <= np.linalg.norm(v[i] - q, axis=1) + 1e-5)
+
+
+def test_project_l1_under_strict_rank_promotion():
+    out = norms.project_ball(jnp.array([[3.0, -4.0, 0.5]]), 2.0, "l1")
+    np.testing.assert_allclose(out, [[0.5, -1.5, 0.0]], atol=1e-6)
+
+
+# Regression (fixed): norms._project_l1: with many tied |v_i| every coordinate is active and
+# computing |v| - theta in float32 overshoots the radius by ~n ulp(max|v|): eps=0 gives a non-
+# zero output, and [784] rows of 0.7 with eps=1 land outside in_ball's (goals.within's) slack
+
+
+def test_project_l1_exactly_feasible_with_ties():
+    v = jnp.full((2, 784), 0.7, jnp.float32)
+    eps = jnp.array([0.0, 1.0], jnp.float32)
+    p = project_ball(v, eps, "l1")
+    ok = in_ball(p, eps, "l1")
+    assert bool(jnp.all(p[0] == 0)) and bool(jnp.all(ok)), np.asarray(norm(p, "l1"))
+
+
+@pytest.mark.parametrize("name", NAMES)
+@given(
+    x=arrays((4, 4, 4, 1)),
+    e=radius(),
+)
+def test_scalar_eps_equals_broadcast_eps(name, x, e):
+    """A Python-float eps means the same eps for every example."""
+    x0 = np.clip(x, 0, 1)
+    rows = np.full((x.shape[0],), e, np.float32)
+    pairs = [
+        (project_ball(x, e, name), project_ball(x, rows, name)),
+        (project(x, x0, e, name), project(x, x0, rows, name)),
+        (quantize(x, x0, e, name), quantize(x, x0, rows, name)),
+        (in_ball(x, e, name), in_ball(x, rows, name)),
+    ]
+    for a, b in pairs:
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+def test_project_ball_hand_values():
+    d = jnp.array([[3.0, -4.0, 0.5]])
+    np.testing.assert_allclose(project_ball(d, 1.0, "linf"), [[1.0, -1.0, 0.5]])
+    l2 = np.asarray(project_ball(jnp.array([[3.0, -4.0]]), 1.0, "l2"))
+    np.testing.assert_allclose(l2, [[0.6, -0.8]], rtol=1e-6)
+    # |v| = (3, 4, .5), eps 2: theta = (3 + 4 - 2) / 2 = 2.5 -> (0.5, -1.5, 0).
+    np.testing.assert_allclose(project_ball(d, 2.0, "l1"), [[0.5, -1.5, 0.0]], atol=1e-6)
+    np.testing.assert_array_equal(project_ball(d, 0.0, "l1"), np.zeros((1, 3)))
+    np.testing.assert_array_equal(project_ball(d, 0.0, "l2"), np.zeros((1, 3)))
+
+
+# --- project (box and ball) -------------------------------------------------------------
+
+
+@st.composite
+def image_pair(draw, eps_hi=4.0):
+    shape = draw(shapes())
+    x0 = draw(arrays(shape, 0.0, 1.0))
+    noise = draw(arrays(shape, -2.0, 2.0))
+    eps = draw(eps_for(shape[0], eps_hi))
+    return x0, (x0 + noise).astype(np.float32), eps
+
+
+@pytest.mark.parametrize("name", NAMES)
+@given(data=image_pair())
+def test_project_in_box_and_ball(name, data):
+    x0, x, eps = data
+    out = np.asarray(project(jnp.asarray(x), jnp.asarray(x0), eps, name))
+    assert out.shape == x.shape
+    assert np.all((out >= 0.0) & (out <= 1.0))
+    slack = l1_slack(x - x0) if name == "l1" else 0.0
+    assert_in_ball(out - x0.astype(np.float64), eps, name, slack=slack)
+
+
+@given(data=image_pair())
+def test_project_linf_is_exact_projection_onto_intersection(data):
+    x0, x, eps = data
+    e = eps_rows(eps, x.shape[0]).astype(np.float32).reshape((-1,) + (1,) * (x.ndim - 1))
+    ref = np.clip(x, np.maximum(x0 - e, 0.0), np.minimum(x0 + e, 1.0))
+    out = np.asarray(project(jnp.asarray(x), jnp.asarray(x0), eps, "linf"))
+    np.testing.assert_allclose(out, ref, atol=1e-6)
+
+
+def test_project_box():
+    x = jnp.array([[-0.5, 0.25, 1.5]])
+    np.testing.assert_array_equal(norms.project_box(x), [[0.0, 0.25, 1.0]])
+
+
+# --- normalize --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", NAMES)
+@given(g=batch())
+def test_normalize_attains_the_dual_norm(name, g):
+    n = np.asarray(normalize(jnp.asarray(g), name))
+    assert n.shape == g.shape
+    inner = (flat64(n) * flat64(g)).sum(axis=1)
+    np.testing.assert_allclose(inner, np_norm(g, DUAL[name]), rtol=1e-5, atol=1e-5)
+    # Unit length in the primal norm (zero rows give a zero direction; for tiny gradients
+    # see test_normalize_l2_tiny_gradient_is_unit).
+    size = np.abs(flat64(g)).max(axis=1)
+    np.testing.assert_allclose(np_norm(n, name)[size > 1e-6], 1.0, rtol=1e-5)
+    np.testing.assert_array_equal(np_norm(n, name)[size == 0], 0.0)
+
+
+@given(g=batch())
+def test_normalize_linf_is_sign(g):
+    np.testing.assert_array_equal(np.asarray(normalize(jnp.asarray(g), "linf")), np.sign(g))
+
+
+@given(g=batch())
+def test_normalize_l2_is_direction_of_g(g):
+    n = flat64(normalize(jnp.asarray(g), "l2"))
+    f = flat64(g)
+    length = np.linalg.norm(f, axis=1, keepdims=True)
+    big = length[:, 0] > 1e-3
+    np.testing.assert_allclose(n[big], (f / np.maximum(length, 1e-30))[big], rtol=1e-5, atol=1e-6)
+
+
+@given(g=batch())
+def test_normalize_l1_is_signed_one_hot_on_largest(g):
+    n = flat64(normalize(jnp.asarray(g), "l1"))
+    f = flat64(g)
+    for i in range(f.shape[0]):
+        nz = np.flatnonzero(n[i])
+        if not np.any(f[i]):
+            assert nz.size == 0
+            continue
+        assert nz.size == 1
+        j = nz[0]
+        assert abs(n[i, j]) == 1.0
+        assert np.abs(f[i, j]) == np.abs(f[i]).max()
+        assert np.sign(n[i, j]) == np.sign(f[i, j])
+
+
+# Regression (fixed): norms.normalize('l2') divides by max(||g||_2, 1e-12), and ||g||_2
+# underflows to 0 in float32 once |g_i| < ~1e-19: a non-zero gradient of size 1e-20 (cross-
+# entropy on a confidently classified example) gets a direction of norm ~1e-8 instead of 1, so
+# L2 PGD stalls where Linf (sign) does not
+
+
+@pytest.mark.parametrize("size", [1e-14, 1e-20, 1e-30])
+def test_normalize_l2_tiny_gradient_is_unit(size):
+    g = jnp.array([[3.0, -4.0, 0.0]], jnp.float32) * jnp.float32(size)
+    n = np.asarray(normalize(g, "l2"))
+    np.testing.assert_allclose(n, [[0.6, -0.8, 0.0]], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_normalize_zero_gradient_gives_zero(name):
+    g = jnp.zeros((2, 4, 4, 1)).at[1, 2, 3, 0].set(-0.5)
+    n = np.asarray(normalize(g, name))
+    assert np.all(np.isfinite(n))
+    np.testing.assert_array_equal(n[0], 0.0)
+    assert n[1, 2, 3, 0] < 0
+
+
+# --- quantize ---------------------------------------------------------------------------
+
+LEVELS = 255
+
+
+def on_grid(q):
+    s = np.asarray(q, np.float64) * LEVELS
+    return np.all(np.abs(s - np.round(s)) <= 1e-4)
+
+
+def steps(q):
+    return np.round(np.asarray(q, np.float64) * LEVELS).astype(np.int64)
+
+
+def grid(k):
+    """Grid values as jaxbundle.data makes them: uint8 / 255 in numpy (correctly rounded)."""
+    return (np.asarray(k, np.float32) / np.float32(LEVELS)).astype(np.float32)
+
+
+@st.composite
+def quantize_case(draw):
+    """Grid-aligned clean images ``x0`` and a point ``x`` in the box and the eps ball of x0."""
+    shape = draw(shapes())
+    b = shape[0]
+    k = draw(hnp.arrays(np.int32, shape, elements=st.integers(0, LEVELS)))
+    x0 = grid(k)
+    delta = draw(arrays(shape, -0.5, 0.5))
+    name = draw(st.sampled_from(NAMES))
+    # eps: a fraction of the raw perturbation's norm (so the ball binds often), or random.
+    raw = np.asarray(norm(jnp.asarray(delta), name))
+    fracs = st.sampled_from([0.0, 0.3, 0.5, 0.99, 1.0, 2.0])
+    frac = draw(hnp.arrays(np.float32, (b,), elements=fracs))
+    eps = (raw * frac).astype(np.float32)
+    if draw(st.booleans()):
+        eps = draw(radius(1.0 if name == "linf" else 3.0))
+    x = np.asarray(project(jnp.asarray(x0 + delta), jnp.asarray(x0), eps, name))
+    return x0, x, eps, name
+
+
+@given(case=quantize_case())
+def test_quantize_on_grid_in_box_and_in_ball(case):
+    x0, x, eps, name = case
+    q = np.asarray(quantize(jnp.asarray(x), jnp.asarray(x0), eps, name))
+    assert q.shape == x.shape and q.dtype == np.float32
+    assert on_grid(q)
+    assert np.all((q >= 0.0) & (q <= 1.0))
+    d = q.astype(np.float64) - x0
+    # The ball's float slack (in_ball's), plus float slack per pixel (the strict
+    # version is test_quantize_of_a_clean_image_is_the_identity).
+    assert_in_ball(d, eps, name, slack=x[0].size * 2.0**-24)
+    # Never more than one grid step from x.
+    assert np.all(np.abs(q.astype(np.float64) - x) <= 1.0 / LEVELS + 1e-6)
+
+
+@given(case=quantize_case())
+def test_quantize_keeps_nearest_rounding_when_it_is_feasible(case):
+    x0, x, eps, name = case
+    q = np.asarray(quantize(jnp.asarray(x), jnp.asarray(x0), eps, name))
+    nearest = np.asarray(quantize(jnp.asarray(x), jnp.asarray(x0), None, name))
+    fits = np.asarray(in_ball(jnp.asarray(nearest - x0), jnp.asarray(eps), name))
+    np.testing.assert_array_equal(q[fits], nearest[fits])
+    # Elsewhere each pixel is rounded towards x0: no |q - x0|_i above |x - x0|_i (up to the
+    # float slack of one ten-thousandth of a level).
+    grow = np.abs(q.astype(np.float64) - x0) - np.abs(x.astype(np.float64) - x0)
+    assert np.all(grow[~fits] <= 1e-4 / LEVELS + 1e-7)
+
+
+@given(x=batch(-0.5, 1.5))
+def test_quantize_without_eps_is_plain_rounding(x):
+    x0 = np.zeros_like(x)
+    q = np.asarray(quantize(jnp.asarray(x), jnp.asarray(x0)))
+    ref = np.clip(np.round(x * np.float32(LEVELS)), 0, LEVELS).astype(np.float32)
+    ref = ref / np.float32(LEVELS)
+    np.testing.assert_allclose(q, ref, rtol=0, atol=1e-7)
+    assert on_grid(q)
+
+
+def test_quantize_linf_eps_03_half_step_edge():
+    # eps = 0.3 = 76.5 / 255: x = x0 + 0.3 lies on the ball's boundary, half-way between two
+    # grid values; rounding to nearest (half to even) pushes half of the pixels to 77/255.
+    k = np.arange(0, 179, dtype=np.int32).reshape(1, -1)  # x0 + 0.3 <= 1
+    k = np.concatenate([k, k[:, ::-1]], axis=0)
+    x0 = grid(k)
+    x = (x0 + np.float32(0.3)).astype(np.float32)
+    assert np.all(x <= 1.0)
+    nearest = np.asarray(quantize(jnp.asarray(x), jnp.asarray(x0)))
+    assert np.all(np.abs(nearest.astype(np.float64) - x0).max(axis=1) > 0.3)  # the trap is real
+    q = np.asarray(quantize(jnp.asarray(x), jnp.asarray(x0), 0.3, "linf"))
+    assert on_grid(q)
+    assert np.all(np.abs(q.astype(np.float64) - x0) <= 0.3 + 1e-6)
+    np.testing.assert_array_equal(steps(q), k + 76)
+
+
+@pytest.mark.parametrize("name", ["l2", "l1"])
+def test_quantize_rounds_towards_x0_when_nearest_leaves_the_ball(name):
+    k = np.array([[0, 10, 100, 200], [3, 3, 3, 3]], np.int32)
+    x0 = grid(k)
+    x = (x0 + np.float32(0.6 / LEVELS)).astype(np.float32)  # nearest: one full step up
+    eps = np.asarray(norm(jnp.asarray(x - x0), name))
+    q = np.asarray(quantize(jnp.asarray(x), jnp.asarray(x0), eps, name))
+    np.testing.assert_array_equal(steps(q), k)
+    np.testing.assert_allclose(q, x0, rtol=0, atol=1e-7)
+    # Without the ball, plain rounding goes up one step.
+    q_free = np.asarray(quantize(jnp.asarray(x), jnp.asarray(x0), None, name))
+    np.testing.assert_array_equal(steps(q_free), k + 1)
+
+
+# Regression (fixed): norms.quantize computes grid values as k / levels in XLA, which on CPU is
+# not correctly rounded: for ~half of the 256 levels it is one ulp off float32(k/255), the value
+# jaxbundle.data gives x0 (numpy uint8 / 255). So quantize(x0, x0, eps, name) != x0 (767 of 1568
+# pixels for two random [784] images), and at eps=0 the L1 distance is 1.6e-5, outside in_ball's
+# slack: the quantised clean image fails verification
+CLEAN = np.array([[0, 1, 7, 128, 254, 255], [7, 7, 7, 7, 7, 7], [3, 5, 9, 17, 33, 65]], np.int32)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_quantize_zero_eps_keeps_x0_level(name):
+    x0 = grid(CLEAN)
+    q = np.asarray(quantize(jnp.asarray(x0), jnp.asarray(x0), 0.0, name))
+    np.testing.assert_array_equal(steps(q), CLEAN)
+    np.testing.assert_allclose(q, x0, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_quantize_of_a_clean_image_is_the_identity(name):
+    k = np.random.default_rng(0).integers(0, LEVELS + 1, (2, 784))
+    x0 = grid(k)
+    zero = jnp.zeros((2,), jnp.float32)
+    q = quantize(jnp.asarray(x0), jnp.asarray(x0), zero, name)
+    assert bool(jnp.all(in_ball(q - x0, zero, name)))
+    for eps in (None, zero):
+        q = quantize(jnp.asarray(x0), jnp.asarray(x0), eps, name)
+        np.testing.assert_array_equal(np.asarray(q), x0)
+
+
+@pytest.mark.parametrize("m", [1, 8])
+def test_quantize_linf_on_grid_eps_keeps_full_steps(m):
+    """On-grid Linf eps = m/255 and x = x0 +- eps (what PGD produces): every pixel keeps its
+    m levels. Regression: a strict ``> eps`` test judged nearest rounding one ulp outside and
+    truncating 7.9999995 levels gave 7 (eps 8/255 acted like 7/255, 1/255 like 0)."""
+    k = np.arange(16, 240, dtype=np.int32).reshape(2, -1)
+    sign = np.where(np.arange(k.size).reshape(k.shape) % 3 == 0, -1, 1)
+    x0 = grid(k)
+    eps = np.float32(m / LEVELS)
+    x = np.asarray(project(jnp.asarray(x0 + sign * eps), jnp.asarray(x0), eps, "linf"))
+    q = np.asarray(quantize(jnp.asarray(x), jnp.asarray(x0), eps, "linf"))
+    np.testing.assert_array_equal(steps(q) - k, m * sign)
