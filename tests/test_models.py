@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -287,3 +288,21 @@ def test_cache_write_is_atomic_on_failure(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="disk full"):
         models._atomic_write(path, b"abc")
     assert list(path.parent.iterdir()) == []
+
+
+@pytest.mark.parametrize("size, kernel, stride", [(28, 5, 2), (14, 5, 2), (7, 3, 1), (9, 4, 2), (6, 1, 3)])
+def test_conv_matches_flax_conv_values_and_gradients(size, kernel, stride):
+    """models.Conv has flax's parameters and numbers; only its backward pass is rewritten."""
+    x = jax.random.uniform(jax.random.key(1), (3, size, size, 2))
+    ours = models.Conv(4, kernel, stride=stride)
+    theirs = nn.Conv(4, (kernel, kernel), strides=(stride, stride), padding="SAME")
+    params = theirs.init(jax.random.key(2), x)
+    assert jax.tree.structure(ours.init(jax.random.key(2), x)) == jax.tree.structure(params)
+    np.testing.assert_allclose(ours.apply(params, x), theirs.apply(params, x), rtol=1e-5, atol=1e-5)
+
+    def grads(module):
+        loss = lambda p, xx: jnp.sum(jnp.sin(module.apply(p, xx)))  # noqa: E731
+        return jax.grad(loss, argnums=(0, 1))(params, x)
+
+    for a, b in zip(jax.tree.leaves(grads(ours)), jax.tree.leaves(grads(theirs))):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
