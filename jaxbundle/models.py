@@ -262,14 +262,23 @@ MODELS: dict[str, TrainConfig] = {"standard": STANDARD, "adversarial": ADVERSARI
 
 
 def model_for(config: TrainConfig) -> nn.Module:
-    """Builds the (untrained) flax module that ``config`` describes."""
+    """The (untrained) flax module that ``config`` describes.
+
+    Configs with the same architecture share one module instance, so their ``module.apply``
+    is the same function and the jitted bundle compiles once for all of them.
+    """
+    return _module(config.arch, config.num_classes)
+
+
+@functools.cache
+def _module(arch: str, num_classes: int) -> nn.Module:
     try:
-        cls = ARCHITECTURES[config.arch]
+        cls = ARCHITECTURES[arch]
     except KeyError:
         raise ValueError(
-            f"unknown architecture {config.arch!r}; expected one of {sorted(ARCHITECTURES)}"
+            f"unknown architecture {arch!r}; expected one of {sorted(ARCHITECTURES)}"
         ) from None
-    return cls(num_classes=config.num_classes)
+    return cls(num_classes=num_classes)
 
 
 def model_name(config: TrainConfig) -> str:
