@@ -43,7 +43,7 @@ from rich.table import Table
 
 from jaxbundle.evaluate import Evaluation
 
-__all__ = ["SCHEMA_VERSION", "table", "write_report"]
+__all__ = ["SCHEMA_VERSION", "table", "print_tables", "write_report"]
 
 SCHEMA_VERSION = 1
 
