@@ -1,0 +1,215 @@
+"""Where does ``bundle()``'s time go beyond the 40 gradients? A decomposition probe.
+
+Companion of ``pgd_speed.py`` (same model, data, attack and timing harness). Each variant
+adds one piece of the bundler's program on top of the previous one, all interleaved in one
+process, medians over ``--repeats`` rounds:
+
+* ``floor_b_unrolled``: 40 chained grads, straight-line (the floor);
+* ``U_pgd``: ``pgd.init`` + 40 x ``pgd.step`` unrolled at trace time (sign, projection,
+  logits as aux output), nothing else;
+* ``U_pgd_fold``: + per-step ``candidate_state`` + ``fold`` (the bundler's scan body),
+  unrolled;
+* ``bundle_unroll=True``: the library (adds clean forward, final forward, verification);
+* ``S_pgd`` / ``S_pgd_fold`` / ``bundle_unroll=1``: the same in a rolled ``lax.scan``, with a
+  model whose input-gradient convolution XLA:CPU runs on its fast path inside loops: SmallCNN
+  itself if its gradient is canonical, else the canonical twin from ``pgd_speed.py``;
+* ``fold_x40_only``: 40 folds with fixed logits and no gradients, in one program;
+* ``fold_x40_dispatched``: one jitted fold called 40 times from Python;
+* ``score_x40_only``: 40 x ``goals.score`` (margin, argmax, distortion, confidence) alone;
+* ``image_where_x40_only``: 40 x the per-example ``where`` on the image alone.
+
+Run with different ``XLA_FLAGS`` to test compiler options, e.g.::
+
+    python benchmarks/pgd_overhead.py --n 64
+    XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false \\
+        python benchmarks/pgd_overhead.py --n 64 --out benchmarks/results/pgd_overhead_noconc.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from pgd_speed import (  # noqa: E402
+    EPS,
+    NORM,
+    STEP_SIZE,
+    machine_facts,
+    make_bundle_call,
+    make_floors,
+    model_description,
+    run_interleaved,
+    grad_is_canonical_in_loops,
+    small_cnn_apply_canonical_grad,
+)
+
+from jaxbundle import bundler  # noqa: E402
+from jaxbundle import goals as goals_lib  # noqa: E402
+from jaxbundle.attacks import pgd  # noqa: E402
+from jaxbundle.attacks.base import WhiteBoxModel, per_example_keys  # noqa: E402
+from jaxbundle.data import load_mnist_sample  # noqa: E402
+from jaxbundle.models import SmallCNN  # noqa: E402
+
+
+def make_pgd_program(apply_fn, attack, *, fold: bool, unroll: int | bool, loop: str):
+    """init + steps (+ fold), as the bundler builds them; ``loop`` "python" or "scan"."""
+
+    @jax.jit
+    def run(params, x0, y, key):
+        model = WhiteBoxModel(apply_fn, params)
+        eps = jnp.full(y.shape, EPS, jnp.float32)
+        ids = jnp.arange(y.shape[0], dtype=jnp.int32)
+        keys = per_example_keys(key, ids)
+        state = attack.init(attack.config, keys, x0, y, eps, model)
+        best = bundler.candidate_state(x0, jnp.zeros((y.shape[0], 10)), x0, y, NORM, -1, 0, 0)
+
+        def body(carry, t):
+            s, b = carry
+            s, cand = attack.step(attack.config, s, model)
+            if fold:
+                c = bundler.candidate_state(cand.x, cand.logits, x0, y, NORM, 0, 0, t)
+                b = bundler.fold("misclassify", eps, b, c)
+            return (s, b), None
+
+        if loop == "python":
+            carry = (state, best)
+            for t in range(attack.num_steps):
+                carry, _ = body(carry, jnp.int32(t))
+        else:
+            carry, _ = jax.lax.scan(body, (state, best), jnp.arange(attack.num_steps), unroll=unroll)
+        return carry if fold else carry[0].x
+
+    return run
+
+
+def make_fold_only(x0, y, logits, steps):
+    eps = jnp.full(y.shape, EPS, jnp.float32)
+
+    @jax.jit
+    def many(xa, lg):
+        best = bundler.candidate_state(x0, lg, x0, y, NORM, -1, 0, 0)
+        for t in range(steps):
+            c = bundler.candidate_state(xa + t * 1e-3, lg + t, x0, y, NORM, 0, 0, t)
+            best = bundler.fold("misclassify", eps, best, c)
+        return best
+
+    @jax.jit
+    def one(best, xa, lg, t):
+        c = bundler.candidate_state(xa, lg, x0, y, NORM, 0, 0, t)
+        return bundler.fold("misclassify", eps, best, c)
+
+    ts = [jnp.int32(t) for t in range(steps)]
+
+    def dispatched(xa, lg):
+        best = bundler.candidate_state(x0, lg, x0, y, NORM, -1, 0, 0)
+        for t in ts:
+            best = one(best, xa, lg, t)
+        return best
+
+    @jax.jit
+    def scores_only(xa, lg):
+        acc = jnp.zeros(y.shape, jnp.float32)
+        for t in range(steps):
+            sc = goals_lib.score(xa + t * 1e-3, lg + t, x0, y, NORM)
+            acc = acc + sc.margin + sc.distortion + sc.confidence + sc.prediction + sc.misclassified
+        return acc
+
+    @jax.jit
+    def where_only(xa, lg):
+        best = x0
+        for t in range(steps):
+            take = lg[:, t % lg.shape[1]] > 0.5 * t
+            best = jnp.where(take[:, None, None, None], xa + t * 1e-3, best)
+        return best
+
+    return many, dispatched, scores_only, where_only
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--n", type=int, nargs="+", default=[64])
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--out", type=pathlib.Path,
+                   default=pathlib.Path(__file__).resolve().parent / "results" / "pgd_overhead.json")
+    args = p.parse_args(argv)
+
+    module = SmallCNN()
+    params = module.init(jax.random.PRNGKey(0), jnp.zeros((1, 28, 28, 1), jnp.float32))
+    apply_fn = module.apply
+    probe_x = jnp.zeros((2, 28, 28, 1), jnp.float32)
+    shipped_ok = grad_is_canonical_in_loops(apply_fn, params, probe_x, jnp.zeros((2,), jnp.int32))
+    canon = apply_fn if shipped_ok else small_cnn_apply_canonical_grad
+    attack = pgd(norm=NORM, loss="ce", steps=args.steps, step_size=STEP_SIZE)
+    results: dict[str, Any] = {
+        "machine": machine_facts(),
+        "model_facts": model_description(module, params),
+        "steps": args.steps,
+        "scan_model": "jaxbundle.models.SmallCNN" if shipped_ok else "canonical twin (pgd_speed.py)",
+        "sections": {},
+    }
+    print(json.dumps(results["machine"]), flush=True)
+    for n in args.n:
+        ds = load_mnist_sample("test", n=n)
+        x, y = jnp.asarray(ds.x), jnp.asarray(ds.y)
+        key = jax.random.PRNGKey(1)
+        floors = make_floors(apply_fn, params, x, y, args.steps)
+        v: dict[str, Callable[[], Any]] = {
+            "floor_b_unrolled": floors["floor_b_unrolled"],
+            "floor_a_chain": floors["floor_a_chain"],
+        }
+        for name, fn, fold, unroll, loop in [
+            ("U_pgd", apply_fn, False, True, "python"),
+            ("U_pgd_fold", apply_fn, True, True, "python"),
+            ("S_pgd", canon, False, 1, "scan"),
+            ("S_pgd_fold", canon, True, 1, "scan"),
+        ]:
+            prog = make_pgd_program(fn, attack, fold=fold, unroll=unroll, loop=loop)
+            v[name] = lambda prog=prog: prog(params, x, y, key)
+        v["bundle_unroll=True"] = make_bundle_call(attack, apply_fn, params, x, y, key, unroll=True)
+        v["bundle_unroll=1"] = make_bundle_call(attack, canon, params, x, y, key, unroll=1)
+        logits = apply_fn(params, x)
+        xr = jnp.clip(x + 0.1, 0.0, 1.0)
+        many, dispatched, scores_only, where_only = make_fold_only(x, y, logits, args.steps)
+        v[f"fold_x{args.steps}_only"] = lambda: many(xr, logits)
+        v[f"fold_x{args.steps}_dispatched"] = lambda: dispatched(xr, logits)
+        v[f"score_x{args.steps}_only"] = lambda: scores_only(xr, logits)
+        v[f"image_where_x{args.steps}_only"] = lambda: where_only(xr, logits)
+        res = run_interleaved(v, args.repeats, f"overhead N={n}")
+        loads = res.pop("_load_avg_per_round")
+        floor = min(res["floor_b_unrolled"]["median_s"], res["floor_a_chain"]["median_s"])
+        floor_min = min(res["floor_b_unrolled"]["min_s"], res["floor_a_chain"]["min_s"])
+        sec = {
+            "n": n,
+            "floor_s": floor,
+            "floor_min_s": floor_min,
+            "load_avg_per_round": loads,
+            "variants": {
+                k: {"median_s": r["median_s"], "min_s": r["min_s"], "compile_s": r["compile_s"],
+                    "ratio_to_floor": r["median_s"] / floor,
+                    "ratio_min_to_floor_min": r["min_s"] / floor_min, "times_s": r["times_s"]}
+                for k, r in res.items()
+            },
+        }
+        results["sections"][str(n)] = sec
+        print(f"\n== N={n}, floor {floor * 1e3:.1f} ms (XLA_FLAGS={results['machine']['xla_flags']}) ==")
+        for k, r in sec["variants"].items():
+            print(f"{k:26s} median {r['median_s'] * 1e3:9.1f} ms  ratio {r['ratio_to_floor']:5.2f}  "
+                  f"min {r['min_s'] * 1e3:9.1f} ms  ratio(min) {r['ratio_min_to_floor_min']:5.2f}  "
+                  f"compile {r['compile_s']:6.1f} s")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

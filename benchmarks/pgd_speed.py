@@ -1,0 +1,818 @@
+"""PGD-40 through ``jaxbundle.bundler.bundle`` versus the cost of 40 bare gradients.
+
+What is measured (all in one process, variants interleaved round-robin, medians reported):
+
+* **floors**: 40 x (one forward + backward of the same model on the same batch), four ways:
+
+  - ``floor_a_async``: a jitted ``grad`` of the summed CE w.r.t. ``x``, 40 independent calls
+    dispatched from Python, one ``block_until_ready`` at the end;
+  - ``floor_a_chain``: the same but chained (``x <- x + 1e-6 * sign(g)`` inside the jitted
+    call), so that each call waits for the previous one, as PGD does;
+  - ``floor_b_unrolled``: one jitted function doing the 40 chained grads in a Python loop at
+    trace time (straight-line HLO);
+  - ``floor_c_fori``: the same with ``lax.fori_loop`` (an XLA ``while`` loop).
+
+  The *best floor* is the lowest median of these.
+
+* **library**: ``bundle([pgd(steps=40, step_size=0.01)], apply_fn, params, x, y, key, eps=0.3)``
+  with ``unroll`` in 1 / 4 / True (full; ``--unrolls`` for others), plus ``validate=False`` for the full unroll.
+
+* **python-driven**: the same work as ``bundle`` (pgd init, step, candidate scoring and
+  :func:`jaxbundle.bundler.fold` per step, final evaluation, verification) but with one jitted
+  step called 40 times from Python instead of a ``lax.scan``.
+
+* **stripped**: a copy of the bundler's program with the per-step fold removed (the scan
+  only runs ``pgd.step``; the final iterate is verified), at unroll 1 and full: bundle minus
+  stripped is the cost of the fold.
+
+* **diagnostics** (``diag_*_<twin>``): the same runs with a numerically identical twin of
+  SmallCNN whose input-gradient convolution has the *other* layout. XLA:CPU runs a
+  non-canonical convolution (kernel ``01oi``, which JAX's transpose rule produces for every
+  ``nn.Conv``) on a slow naive emitter when it sits inside a loop body (see
+  ``conv_layout_report``). If ``jaxbundle.models.SmallCNN`` has a canonical gradient (its own
+  ``custom_vjp`` convolution), the twin is the plain ``nn.Conv`` formulation (``jaxconv``:
+  what a user's flax model gets); otherwise it is the canonical one (``canonconv``). Also the
+  python-driven pieces (``piece_*``: init, 40 steps with / without fold, finish) timed alone.
+
+* **restarts** (at one N, default 512): PGD-40 with 4 restarts, ``restart_mode`` "vmap" and
+  "map" at unroll 1 and full, and 4 separate ``bundle`` calls; ratio to 4 x the best floor.
+
+Compile time = the trace + lowering + XLA compile seconds that JAX reports (``jax.monitoring``
+duration events) during each variant's first call; ``first_minus_median_s`` (first call minus
+the steady-state median) is kept too, but on a loaded machine it is noise-dominated.
+
+Usage::
+
+    python benchmarks/pgd_speed.py                  # N = 512 and 64, 7 repeats (~25 min, 2 CPUs)
+    python benchmarks/pgd_speed.py --n 512 64 --repeats 11
+    python benchmarks/pgd_speed.py --quick          # smoke test, < 60 s (N=16, PGD-2)
+
+Writes ``benchmarks/results/pgd_speed.json`` (``--out``) and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import gc
+import json
+import os
+import pathlib
+import platform
+import re
+import statistics
+import sys
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxbundle import bundler, goals as goals_lib, losses
+from jaxbundle.attacks import pgd
+from jaxbundle.attacks.base import WhiteBoxModel, per_example_keys
+from jaxbundle.data import load_mnist_sample
+from jaxbundle.models import SmallCNN
+
+EPS = 0.3
+STEP_SIZE = 0.01
+GOALS = ("misclassify",)
+NORM = "linf"
+TARGET = {512: 1.05, 64: 1.10}  # from the issue: library path / best floor
+
+HERE = pathlib.Path(__file__).resolve().parent
+
+
+# ----------------------------------------------------------------------------------------
+# Timing
+# ----------------------------------------------------------------------------------------
+
+
+def _loadavg() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+_COMPILE_EVENTS = (
+    "/jax/core/compile/jaxpr_trace_duration",
+    "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "/jax/core/compile/backend_compile_duration",
+)
+_compile_seconds = [0.0]
+
+
+def _on_duration(event: str, duration: float, **_: Any) -> None:
+    if event in _COMPILE_EVENTS:
+        _compile_seconds[0] += duration
+
+
+jax.monitoring.register_event_duration_secs_listener(_on_duration)
+
+
+def run_interleaved(
+    variants: dict[str, Callable[[], Any]], repeats: int, label: str
+) -> dict[str, dict[str, Any]]:
+    """Times each variant: one first call (compile + run), then ``repeats`` interleaved rounds.
+
+    Each round runs every variant once, in an order rotated by one per round, so that slow
+    drifts of the machine's load hit all variants alike.
+    """
+    names = list(variants)
+    out: dict[str, dict[str, Any]] = {n: {"times_s": []} for n in names}
+    for n in names:
+        _compile_seconds[0] = 0.0
+        t0 = time.perf_counter()
+        jax.block_until_ready(variants[n]())
+        out[n]["first_s"] = time.perf_counter() - t0
+        out[n]["compile_s"] = _compile_seconds[0]
+        print(
+            f"  [{label}] {n}: first call {out[n]['first_s']:.2f} s "
+            f"(trace+lower+compile {out[n]['compile_s']:.2f} s)",
+            flush=True,
+        )
+    loads = []
+    for r in range(repeats):
+        order = names[r % len(names):] + names[: r % len(names)]
+        gc.collect()
+        loads.append(_loadavg())
+        for n in order:
+            t0 = time.perf_counter()
+            jax.block_until_ready(variants[n]())
+            out[n]["times_s"].append(time.perf_counter() - t0)
+        print(
+            f"  [{label}] round {r + 1}/{repeats} done (load avg {loads[-1]})",
+            flush=True,
+        )
+    for n in names:
+        ts = out[n]["times_s"]
+        med = statistics.median(ts)
+        out[n]["median_s"] = med
+        out[n]["min_s"] = min(ts)
+        out[n]["q1_s"], _, out[n]["q3_s"] = (
+            statistics.quantiles(ts, n=4) if len(ts) >= 2 else (ts[0], ts[0], ts[0])
+        )
+        out[n]["first_minus_median_s"] = out[n]["first_s"] - med
+    out["_load_avg_per_round"] = loads  # type: ignore[assignment]
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# Floors
+# ----------------------------------------------------------------------------------------
+
+
+def make_floors(apply_fn, params, x, y, steps: int) -> dict[str, Callable[[], Any]]:
+    def total(xa, p, yy):
+        return jnp.sum(losses.cross_entropy(apply_fn(p, xa), yy))
+
+    grad = jax.grad(total)
+    grad_jit = jax.jit(grad)
+
+    @jax.jit
+    def chain_step(xa, p, yy):
+        return xa + 1e-6 * jnp.sign(grad(xa, p, yy))
+
+    @jax.jit
+    def unrolled(xa, p, yy):
+        for _ in range(steps):
+            xa = xa + 1e-6 * jnp.sign(grad(xa, p, yy))
+        return xa
+
+    @jax.jit
+    def fori(xa, p, yy):
+        return jax.lax.fori_loop(0, steps, lambda i, v: v + 1e-6 * jnp.sign(grad(v, p, yy)), xa)
+
+    def a_async():
+        return [grad_jit(x, params, y) for _ in range(steps)]
+
+    def a_chain():
+        xa = x
+        for _ in range(steps):
+            xa = chain_step(xa, params, y)
+        return xa
+
+    return {
+        "floor_a_async": a_async,
+        "floor_a_chain": a_chain,
+        "floor_b_unrolled": lambda: unrolled(x, params, y),
+        "floor_c_fori": lambda: fori(x, params, y),
+    }
+
+
+# ----------------------------------------------------------------------------------------
+# Library paths and comparison programs built from the library's pieces
+# ----------------------------------------------------------------------------------------
+
+
+def make_bundle_call(attack, apply_fn, params, x, y, key, **kw) -> Callable[[], Any]:
+    return lambda: bundler.bundle([attack], apply_fn, params, x, y, key, eps=EPS, **kw)
+
+
+def make_python_driven(attack, apply_fn, params, x, y, key) -> Callable[[], Any]:
+    """bundle()'s work for one attack and one restart, with the step loop in Python.
+
+    Mirrors ``bundler._bundle`` / ``_run_attack``: same keys, same init, per-step candidate
+    scoring and fold, final evaluation, verification and fold into the clean best.
+    """
+    example_id = jnp.arange(x.shape[0], dtype=jnp.int32)
+
+    @jax.jit
+    def init(p, x0, yy, k, ids):
+        model = WhiteBoxModel(apply_fn, p)
+        eps = jnp.full(yy.shape, EPS, jnp.float32)
+        keys = per_example_keys(k, ids)
+        keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, 0)  # attack index
+        keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, 0)  # restart
+        clean = bundler.candidate_state(x0, model.logits(x0), x0, yy, NORM, -1, 0, 0)
+        state = attack.init(attack.config, keys, x0, yy, eps, model)
+        return state, {g: clean for g in GOALS}
+
+    @jax.jit
+    def step(p, state, best, t):
+        model = WhiteBoxModel(apply_fn, p)
+        x0, yy, eps = state.x0, state.y, state.eps
+        state, cand = attack.step(attack.config, state, model)
+        c = bundler.candidate_state(cand.x, cand.logits, x0, yy, NORM, 0, 0, t)
+        return state, {g: bundler.fold(g, eps, best[g], c) for g in GOALS}
+
+    @jax.jit
+    def finish(p, state, best, clean_best):
+        model = WhiteBoxModel(apply_fn, p)
+        x0, yy, eps = state.x0, state.y, state.eps
+        final = bundler.candidate_state(
+            state.x, model.logits(state.x), x0, yy, NORM, 0, 0, attack.num_steps
+        )
+        found = {g: bundler.fold(g, eps, best[g], final) for g in GOALS}
+        found = {g: bundler.verify(found[g], g, model, x0, yy, eps, NORM, True) for g in GOALS}
+        return {g: bundler.fold(g, eps, clean_best[g], found[g]) for g in GOALS}
+
+    @jax.jit
+    def step_nofold(p, state):
+        return attack.step(attack.config, state, WhiteBoxModel(apply_fn, p))[0]
+
+    steps_t = [jnp.int32(t) for t in range(attack.num_steps)]
+
+    def run():
+        state, clean_best = init(params, x, y, key, example_id)
+        best = clean_best
+        for t in steps_t:
+            state, best = step(params, state, best, t)
+        return finish(params, state, best, clean_best)
+
+    # The same pieces timed alone (from a fixed state), to split the overhead up.
+    state0, clean0 = jax.block_until_ready(init(params, x, y, key, example_id))
+
+    def steps_fold():
+        state, best = state0, clean0
+        for t in steps_t:
+            state, best = step(params, state, best, t)
+        return state, best
+
+    def steps_nofold():
+        state = state0
+        for _ in steps_t:
+            state = step_nofold(params, state)
+        return state
+
+    pieces = {
+        "piece_init (random start + clean fwd)": lambda: init(params, x, y, key, example_id),
+        f"piece_{attack.num_steps}_steps_with_fold": steps_fold,
+        f"piece_{attack.num_steps}_steps_no_fold": steps_nofold,
+        "piece_finish (final fwd + verify fwd)": lambda: finish(params, state0, clean0, clean0),
+    }
+    return run, pieces
+
+
+@functools.partial(jax.jit, static_argnames=("apply_fn", "attack", "unroll"))
+def _stripped(params, x0, y, key, example_id, *, apply_fn, attack, unroll):
+    """The bundler's program for one attack/restart without the per-step candidate fold."""
+    model = WhiteBoxModel(apply_fn, params)
+    eps = jnp.full(y.shape, EPS, jnp.float32)
+    keys = per_example_keys(key, example_id)
+    keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, 0)
+    keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, 0)
+    clean = bundler.candidate_state(x0, model.logits(x0), x0, y, NORM, -1, 0, 0)
+    state = attack.init(attack.config, keys, x0, y, eps, model)
+
+    def body(s, _):
+        s, _cand = attack.step(attack.config, s, model)
+        return s, None
+
+    state, _ = jax.lax.scan(body, state, None, length=attack.num_steps, unroll=unroll)
+    final = bundler.candidate_state(
+        state.x, model.logits(state.x), x0, y, NORM, 0, 0, attack.num_steps
+    )
+    found = bundler.verify(final, "misclassify", model, x0, y, eps, NORM, True)
+    return bundler.fold("misclassify", eps, clean, found)
+
+
+def make_stripped(attack, apply_fn, params, x, y, key, unroll) -> Callable[[], Any]:
+    ids = jnp.arange(x.shape[0], dtype=jnp.int32)
+    return lambda: _stripped(params, x, y, key, ids, apply_fn=apply_fn, attack=attack, unroll=unroll)
+
+
+# ----------------------------------------------------------------------------------------
+# Diagnostic twins of SmallCNN: the same function, the other kind of input-gradient conv
+# ----------------------------------------------------------------------------------------
+
+
+def _same_pads(size: int, k: int, s: int) -> tuple[int, int, int]:
+    out = -(-size // s)
+    total = max((out - 1) * s + k - size, 0)
+    return out, total // 2, total - total // 2
+
+
+def _make_conv(stride: int):
+    dn = ("NHWC", "HWIO", "NHWC")
+
+    def fwd_raw(x, k):
+        pads = []
+        for d in (1, 2):
+            _, lo, hi = _same_pads(x.shape[d], k.shape[d - 1], stride)
+            pads.append((lo, hi))
+        return jax.lax.conv_general_dilated(x, k, (stride, stride), pads, dimension_numbers=dn)
+
+    @jax.custom_vjp
+    def conv(x, k):
+        return fwd_raw(x, k)
+
+    def conv_fwd(x, k):
+        return fwd_raw(x, k), (x, k)
+
+    def conv_bwd(res, g):
+        x, k = res
+        # Input gradient as a plain NHWC/HWIO convolution of the dilated cotangent with the
+        # kernel flipped and its in/out swapped by a real transpose (JAX's own transpose rule
+        # swaps the dimension labels instead, giving a 01oi kernel).
+        kt = jnp.swapaxes(jnp.flip(k, (0, 1)), 2, 3)
+        pads = []
+        for d in (1, 2):
+            size, kk = x.shape[d], k.shape[d - 1]
+            out, lo, _ = _same_pads(size, kk, stride)
+            pads.append((kk - 1 - lo, size - (out - 1) * stride - 1 + lo))
+        dx = jax.lax.conv_general_dilated(
+            g, kt, (1, 1), pads, lhs_dilation=(stride, stride), dimension_numbers=dn
+        )
+        dk = jax.vjp(lambda kk: fwd_raw(x, kk), k)[1](g)[0]
+        return dx, dk
+
+    conv.defvjp(conv_fwd, conv_bwd)
+    return conv
+
+
+_CONV_S2 = _make_conv(2)
+
+
+def _plain_conv_s2(x, k):
+    """What ``flax.linen.Conv(padding="SAME", strides=2)`` computes, with JAX's own gradient."""
+    pads = []
+    for d in (1, 2):
+        _, lo, hi = _same_pads(x.shape[d], k.shape[d - 1], 2)
+        pads.append((lo, hi))
+    return jax.lax.conv_general_dilated(x, k, (2, 2), pads, dimension_numbers=("NHWC", "HWIO", "NHWC"))
+
+
+def _small_cnn_apply(conv, variables, x):
+    p = variables["params"]
+    h = jax.nn.relu(conv(x, p["conv1"]["kernel"]) + p["conv1"]["bias"])
+    h = jax.nn.relu(conv(h, p["conv2"]["kernel"]) + p["conv2"]["bias"])
+    h = h.reshape(h.shape[0], -1)
+    h = jax.nn.relu(h @ p["hidden"]["kernel"] + p["hidden"]["bias"])
+    return h @ p["logits"]["kernel"] + p["logits"]["bias"]
+
+
+def small_cnn_apply_canonical_grad(variables, x):
+    """SmallCNN's function (same params, same numbers) whose input gradient is canonical."""
+    return _small_cnn_apply(_CONV_S2, variables, x)
+
+
+def small_cnn_apply_jax_conv(variables, x):
+    """SmallCNN's function written as a flax ``nn.Conv`` model computes it (JAX's gradient)."""
+    return _small_cnn_apply(_plain_conv_s2, variables, x)
+
+
+def grad_is_canonical_in_loops(apply_fn, params, x, y) -> bool:
+    """Whether every convolution of ``apply_fn``'s input gradient inside a loop is canonical."""
+    def total(xa):
+        return jnp.sum(losses.cross_entropy(apply_fn(params, xa), y))
+
+    def loop(xa):
+        return jax.lax.fori_loop(0, 2, lambda i, v: v + 1e-6 * jnp.sign(jax.grad(total)(v)), xa)
+
+    report = conv_layout_report(jax.jit(loop).lower(x).compile().as_text())
+    return report["non_canonical_kernel"] == 0
+
+
+def alternative_model(apply_fn, params, x, y):
+    """The diagnostic twin of the benchmarked model: the other kind of input gradient.
+
+    If ``jaxbundle.models.SmallCNN``'s gradient is canonical inside loops (its own
+    ``custom_vjp`` convolution), the twin is the plain ``nn.Conv`` formulation, which shows
+    what a user's flax model gets; otherwise the twin is the canonical-gradient one, which
+    shows what the loops cost without XLA:CPU's slow path. Returns ``(label, apply_fn)``.
+    """
+    if grad_is_canonical_in_loops(apply_fn, params, x, y):
+        return "jaxconv", small_cnn_apply_jax_conv
+    return "canonconv", small_cnn_apply_canonical_grad
+
+
+def max_abs_diff_apply(apply_fn, other_fn, params, x, y) -> float:
+    """Max abs difference of logits and input gradients between two apply functions."""
+    def g(f):
+        return jax.grad(lambda xa: jnp.sum(losses.cross_entropy(f(params, xa), y)))(x)
+
+    d1 = jnp.max(jnp.abs(apply_fn(params, x) - other_fn(params, x)))
+    d2 = jnp.max(jnp.abs(g(apply_fn) - g(other_fn)))
+    return float(max(d1, d2))
+
+
+# ----------------------------------------------------------------------------------------
+# Diagnostics: convolutions inside while-loop bodies
+# ----------------------------------------------------------------------------------------
+
+_COMP_RE = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) ", re.M)
+
+
+def conv_layout_report(compiled_text: str) -> dict[str, int]:
+    """Counts the convolutions of a compiled CPU module, and those whose kernel is not HWIO.
+
+    XLA:CPU calls Eigen's fast convolution only for canonical dimension numbers (input NHWC,
+    kernel HWIO = ``01io``, output NHWC); its ConvCanonicalization pass inserts transposes to
+    get there but only walks the *entry* computation, so a non-canonical convolution inside a
+    while body (``lax.scan`` / ``fori_loop`` / ``lax.map``) stays on the slow naive emitter.
+    The input-gradient convolution that JAX emits for ``conv_general_dilated`` has a ``01oi``
+    kernel.
+    """
+    convs = re.findall(r"convolution\(.*?dim_labels=([\w>-]+)", compiled_text)
+    return {
+        "convolutions": len(convs),
+        "non_canonical_kernel": sum("_01io->" not in d for d in convs),
+        "while_loops": compiled_text.count(" while("),
+    }
+
+
+# ----------------------------------------------------------------------------------------
+# Main
+# ----------------------------------------------------------------------------------------
+
+
+def machine_facts() -> dict[str, Any]:
+    dev = jax.devices()[0]
+    try:
+        import jaxlib
+
+        jaxlib_version = jaxlib.__version__
+    except Exception:  # pragma: no cover
+        jaxlib_version = None
+    try:
+        affinity = len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover
+        affinity = None
+    cpu_model = None
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "jax_version": jax.__version__,
+        "jaxlib_version": jaxlib_version,
+        "backend": jax.default_backend(),
+        "device": str(dev),
+        "device_kind": getattr(dev, "device_kind", None),
+        "cpu_count": os.cpu_count(),
+        "cpu_affinity": affinity,
+        "cpu_model": cpu_model,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "xla_flags": os.environ.get("XLA_FLAGS"),
+        "load_avg_start": _loadavg(),
+    }
+
+
+def model_description(module, params) -> dict[str, Any]:
+    """The module's fields and parameter shapes (the model file may change under us)."""
+    fields = {
+        f.name: getattr(module, f.name)
+        for f in dataclasses.fields(module)
+        if f.name not in ("parent", "name")
+    }
+    shapes = {
+        "/".join(str(getattr(k, "key", k)) for k in path): list(v.shape)
+        for path, v in jax.tree_util.tree_flatten_with_path(params)[0]
+    }
+    return {
+        "class": type(module).__name__,
+        "fields": {k: v if isinstance(v, (int, float, str, bool)) else repr(v) for k, v in fields.items()},
+        "param_shapes": shapes,
+        "num_params": int(sum(np.prod(v) for v in shapes.values())),
+    }
+
+
+def _summary(res: dict[str, Any], floor: float, floor_min: float) -> dict[str, Any]:
+    return {
+        "median_s": res["median_s"],
+        "min_s": res["min_s"],
+        "q1_s": res["q1_s"],
+        "q3_s": res["q3_s"],
+        "first_s": res["first_s"],
+        "compile_s": res["compile_s"],
+        "first_minus_median_s": res["first_minus_median_s"],
+        "ratio_to_best_floor": res["median_s"] / floor,
+        # min / (lowest min among the floors): less sensitive to other tenants' load
+        "ratio_min_to_best_floor_min": res["min_s"] / floor_min,
+        "times_s": res["times_s"],
+    }
+
+
+def bench_single(n, args, apply_fn, params, steps) -> dict[str, Any]:
+    ds = load_mnist_sample("test", n=n)
+    x, y = jnp.asarray(ds.x), jnp.asarray(ds.y)
+    key = jax.random.PRNGKey(1)
+    attack = pgd(norm=NORM, loss="ce", steps=steps, step_size=STEP_SIZE, random_start=True)
+
+    variants: dict[str, Callable[[], Any]] = {}
+    variants.update(make_floors(apply_fn, params, x, y, steps))
+    for u in args.unrolls:
+        variants[f"bundle_unroll={u}"] = make_bundle_call(attack, apply_fn, params, x, y, key, unroll=u)
+    variants["bundle_unroll=True_novalidate"] = make_bundle_call(
+        attack, apply_fn, params, x, y, key, unroll=True, validate=False
+    )
+    variants["python_driven"], pieces = make_python_driven(attack, apply_fn, params, x, y, key)
+    for u in (1, True):
+        variants[f"stripped_nofold_unroll={u}"] = make_stripped(attack, apply_fn, params, x, y, key, u)
+    if args.pieces:
+        variants.update(pieces)
+    if args.twin:
+        twin_label, twin = alternative_model(apply_fn, params, x, y)
+        variants[f"diag_floor_c_fori_{twin_label}"] = make_floors(twin, params, x, y, steps)["floor_c_fori"]
+        for u in (1, True):
+            variants[f"diag_bundle_unroll={u}_{twin_label}"] = make_bundle_call(
+                attack, twin, params, x, y, key, unroll=u
+            )
+
+    res = run_interleaved(variants, args.repeats, f"N={n}")
+    loads = res.pop("_load_avg_per_round")
+    floors = {k: v for k, v in res.items() if k.startswith("floor_")}
+    best_floor_name = min(floors, key=lambda k: floors[k]["median_s"])
+    best_floor = floors[best_floor_name]["median_s"]
+    best_floor_min = min(v["min_s"] for v in floors.values())
+    out = {
+        "n": n,
+        "steps": steps,
+        "best_floor": best_floor_name,
+        "best_floor_s": best_floor,
+        "per_grad_ms_at_best_floor": 1e3 * best_floor / steps,
+        "load_avg_per_round": loads,
+        "best_floor_min_s": best_floor_min,
+        "variants": {k: _summary(v, best_floor, best_floor_min) for k, v in res.items()},
+    }
+    lib = {k: v for k, v in out["variants"].items() if k.startswith("bundle_unroll=") and "novalidate" not in k}
+    best_lib = min(lib, key=lambda k: lib[k]["median_s"])
+    out["best_library_variant"] = best_lib
+    out["best_library_ratio"] = lib[best_lib]["ratio_to_best_floor"]
+    out["default_library_ratio"] = lib.get("bundle_unroll=1", {}).get("ratio_to_best_floor")
+    tgt = TARGET.get(n)
+    out["target_ratio"] = tgt
+    out["meets_target"] = None if tgt is None else bool(out["best_library_ratio"] <= tgt)
+
+    # Sanity: the python-driven copy does the same computation as bundle().
+    r_lib = variants[f"bundle_unroll={args.unrolls[0]}"]()
+    r_py = variants["python_driven"]()
+    out["python_driven_max_abs_diff_vs_bundle"] = float(
+        jnp.max(jnp.abs(r_lib.best["misclassify"].x - r_py["misclassify"].x))
+    )
+    out["python_driven_same_success"] = bool(
+        jnp.all(r_lib.best["misclassify"].score.misclassified == r_py["misclassify"].score.misclassified)
+    )
+
+    if args.twin:
+        out["twin_model"] = twin_label
+        out["twin_max_abs_diff"] = max_abs_diff_apply(apply_fn, twin, params, x, y)
+    if args.hlo:
+        diag = {}
+        ids = jnp.arange(n, dtype=jnp.int32)
+        for u in args.unrolls:
+            c = bundler._bundle.lower(
+                params, x, y, key, ids, EPS, apply_fn=apply_fn, attacks=(attack,), goal_names=GOALS,
+                norm=NORM, quantize=True, unroll=u, restart_mode="vmap",
+            ).compile()
+            diag[f"bundle_unroll={u}"] = conv_layout_report(c.as_text())
+        if args.twin:
+            c = bundler._bundle.lower(
+                params, x, y, key, ids, EPS, apply_fn=twin,
+                attacks=(attack,), goal_names=GOALS, norm=NORM, quantize=True, unroll=1,
+                restart_mode="vmap",
+            ).compile()
+            diag[f"diag_bundle_unroll=1_{twin_label}"] = conv_layout_report(c.as_text())
+        out["hlo"] = diag
+    return out
+
+
+def bench_restarts(
+    n, args, apply_fn, params, steps, single_floor_s, single_floor_min_s
+) -> dict[str, Any]:
+    ds = load_mnist_sample("test", n=n)
+    x, y = jnp.asarray(ds.x), jnp.asarray(ds.y)
+    key = jax.random.PRNGKey(2)
+    r = args.restarts
+    multi = pgd(norm=NORM, steps=steps, restarts=r, step_size=STEP_SIZE)
+    single = pgd(norm=NORM, steps=steps, restarts=1, step_size=STEP_SIZE)
+
+    variants: dict[str, Callable[[], Any]] = {}
+    # Floors measured in this section too (the machine drifts): r*steps chained grads at N,
+    # and steps chained grads at r*N (what the vmap over restarts amounts to).
+    f_n = make_floors(apply_fn, params, x, y, steps * r)
+    variants["floor_a_chain_x%d" % r] = f_n["floor_a_chain"]
+    xr = jnp.concatenate([x] * r)
+    yr = jnp.concatenate([y] * r)
+    f_rn = make_floors(apply_fn, params, xr, yr, steps)
+    variants[f"floor_a_chain_batch{r}N"] = f_rn["floor_a_chain"]
+    for u in args.restart_unrolls:
+        for mode in ("vmap", "map"):
+            variants[f"bundle_{mode}_unroll={u}"] = make_bundle_call(
+                multi, apply_fn, params, x, y, key, unroll=u, restart_mode=mode
+            )
+        calls = [
+            make_bundle_call(single, apply_fn, params, x, y, jax.random.fold_in(key, i), unroll=u)
+            for i in range(r)
+        ]
+        variants[f"bundle_{r}_separate_calls_unroll={u}"] = lambda calls=calls: [c() for c in calls]
+
+    if args.twin:
+        twin_label, twin = alternative_model(apply_fn, params, x, y)
+        for mode in ("vmap", "map"):
+            variants[f"diag_bundle_{mode}_unroll=1_{twin_label}"] = make_bundle_call(
+                multi, twin, params, x, y, key, unroll=1, restart_mode=mode
+            )
+    res = run_interleaved(variants, args.restart_repeats, f"restarts N={n}")
+    loads = res.pop("_load_avg_per_round")
+    floor_candidates = {
+        f"{r} x best single floor (N={n} section)": r * single_floor_s if single_floor_s else None,
+        **{k: v["median_s"] for k, v in res.items() if k.startswith("floor_")},
+    }
+    floor_candidates = {k: v for k, v in floor_candidates.items() if v is not None}
+    best_floor_name = min(floor_candidates, key=floor_candidates.get)
+    best_floor = floor_candidates[best_floor_name]
+    min_candidates = [r * single_floor_min_s] if single_floor_min_s else []
+    min_candidates += [v["min_s"] for k, v in res.items() if k.startswith("floor_")]
+    best_floor_min = min(min_candidates)
+    out = {
+        "n": n,
+        "steps": steps,
+        "restarts": r,
+        "floor_candidates_s": floor_candidates,
+        "best_floor": best_floor_name,
+        "best_floor_s": best_floor,
+        "best_floor_min_s": best_floor_min,
+        "load_avg_per_round": loads,
+        "variants": {k: _summary(v, best_floor, best_floor_min) for k, v in res.items()},
+    }
+    lib = {k: v for k, v in out["variants"].items() if k.startswith("bundle_")}
+    best_lib = min(lib, key=lambda k: lib[k]["median_s"])
+    out["best_library_variant"] = best_lib
+    out["best_library_ratio"] = lib[best_lib]["ratio_to_best_floor"]
+    return out
+
+
+def print_table(title: str, sec: dict[str, Any]) -> None:
+    print()
+    print(f"== {title}: best floor = {sec['best_floor']} = {sec['best_floor_s'] * 1e3:.1f} ms ==")
+    print(f"{'variant':42s} {'median ms':>10s} {'min ms':>9s} {'IQR ms':>13s} {'ratio':>6s} "
+          f"{'ratio(min)':>10s} {'compile s':>9s}")
+    for k, v in sec["variants"].items():
+        iqr = f"{v['q1_s'] * 1e3:.0f}-{v['q3_s'] * 1e3:.0f}"
+        print(
+            f"{k:42s} {v['median_s'] * 1e3:10.1f} {v['min_s'] * 1e3:9.1f} {iqr:>13s} "
+            f"{v['ratio_to_best_floor']:6.2f} {v['ratio_min_to_best_floor_min']:10.2f} "
+            f"{v['compile_s']:9.2f}"
+        )
+    extra = {k: sec[k] for k in ("best_library_variant", "best_library_ratio", "default_library_ratio",
+                                 "target_ratio", "meets_target", "python_driven_max_abs_diff_vs_bundle",
+                                 "python_driven_same_success", "twin_model", "twin_max_abs_diff") if k in sec}
+    print("  ", json.dumps(extra))
+    if "hlo" in sec:
+        print("   HLO:", json.dumps(sec["hlo"]))
+
+
+def _unroll_arg(s: str) -> int | bool:
+    if s.lower() in ("true", "full"):
+        return True
+    return int(s)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--n", type=int, nargs="+", default=None, help="batch sizes (default 512 64)")
+    p.add_argument("--repeats", type=int, default=None, help="timed rounds per section (default 7)")
+    p.add_argument("--restart-repeats", type=int, default=None,
+                   help="rounds for the restarts section (default 5: it is the slow one)")
+    p.add_argument("--steps", type=int, default=None, help="PGD steps (default 40)")
+    p.add_argument("--restarts", type=int, default=4)
+    p.add_argument("--restart-n", type=int, default=None, help="N of the restarts section (default 512)")
+    p.add_argument("--no-restarts", action="store_true", help="skip the restarts section")
+    p.add_argument("--unrolls", type=_unroll_arg, nargs="+", default=[1, 4, True],
+                   help="scan unroll factors for bundle() (int or True/full); default 1 4 True")
+    p.add_argument("--restart-unrolls", type=_unroll_arg, nargs="+", default=[1, True])
+    p.add_argument("--no-pieces", dest="pieces", action="store_false",
+                   help="skip timing the python-driven pieces (init / steps / finish) alone")
+    p.add_argument("--no-twin", dest="twin", action="store_false",
+                   help="skip the diagnostic variants with SmallCNN's numerically identical twin "
+                   "whose input gradient has the other convolution layout")
+    p.add_argument("--no-hlo", dest="hlo", action="store_false", help="skip the HLO conv report")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke test: N=16, PGD-2, 2 restarts, 1 round, unroll 1 and full, no diag/pieces (< 60 s)")
+    p.add_argument("--out", type=pathlib.Path, default=None,
+                   help="JSON output (default benchmarks/results/pgd_speed.json; "
+                   "pgd_speed_quick.json with --quick)")
+    args = p.parse_args(argv)
+    if args.out is None:
+        args.out = HERE / "results" / ("pgd_speed_quick.json" if args.quick else "pgd_speed.json")
+    if args.quick:
+        args.n = args.n or [16]
+        args.repeats = args.repeats or 1
+        args.steps = args.steps or 2
+        args.restarts = 2
+        args.restart_n = args.restart_n or 16
+        args.unrolls = [1, True]
+        args.restart_unrolls = [True]
+        args.twin = False
+        args.pieces = False
+    args.n = args.n or [512, 64]
+    args.repeats = args.repeats or 7
+    args.restart_repeats = args.restart_repeats or (args.repeats if args.quick else 5)
+    args.steps = args.steps or 40
+    args.restart_n = args.restart_n or 512
+
+    t_start = time.perf_counter()
+    facts = machine_facts()
+    print("machine:", json.dumps(facts), flush=True)
+    module = SmallCNN()
+    params = module.init(jax.random.PRNGKey(0), jnp.zeros((1, 28, 28, 1), jnp.float32))
+    apply_fn = module.apply
+    model_facts = model_description(module, params)
+    print("model:", json.dumps(model_facts), flush=True)
+
+    results: dict[str, Any] = {
+        "machine": facts,
+        "config": {
+            "model": "jaxbundle.models.SmallCNN, random init (PRNGKey(0))",
+            "model_facts": model_facts,
+            "data": "jaxbundle.data.load_mnist_sample('test', n)",
+            "attack": f"pgd(norm='linf', loss='ce', steps={args.steps}, step_size={STEP_SIZE}, random_start=True)",
+            "eps": EPS,
+            "repeats": args.repeats,
+            "restart_repeats": args.restart_repeats,
+            "quick": args.quick,
+            "argv": sys.argv[1:] if argv is None else argv,
+        },
+        "single": {},
+    }
+    single_floor, single_floor_min = {}, {}
+    for n in args.n:
+        print(f"\n-- PGD-{args.steps}, N={n}", flush=True)
+        sec = bench_single(n, args, apply_fn, params, args.steps)
+        results["single"][str(n)] = sec
+        single_floor[n] = sec["best_floor_s"]
+        single_floor_min[n] = sec["best_floor_min_s"]
+        print_table(f"PGD-{args.steps} N={n}", sec)
+    if not args.no_restarts:
+        n = args.restart_n
+        print(f"\n-- PGD-{args.steps} x {args.restarts} restarts, N={n}", flush=True)
+        sec = bench_restarts(
+            n, args, apply_fn, params, args.steps, single_floor.get(n), single_floor_min.get(n)
+        )
+        results["restarts"] = sec
+        print_table(f"PGD-{args.steps} x {args.restarts} restarts N={n}", sec)
+
+    results["machine"]["load_avg_end"] = _loadavg()
+    results["wall_s"] = time.perf_counter() - t_start
+    print()
+    print("== summary ==")
+    for n, sec in results["single"].items():
+        print(
+            f"N={n}: best floor {sec['best_floor']} {sec['best_floor_s'] * 1e3:.1f} ms; "
+            f"best library {sec['best_library_variant']} ratio {sec['best_library_ratio']:.2f} "
+            f"(target {sec['target_ratio']}, met: {sec['meets_target']}); "
+            f"default unroll=1 ratio {sec['default_library_ratio']}"
+        )
+    if "restarts" in results:
+        sec = results["restarts"]
+        print(f"restarts N={sec['n']}: best {sec['best_library_variant']} ratio {sec['best_library_ratio']:.2f}")
+    print(f"wall {results['wall_s']:.0f} s")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(results, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
