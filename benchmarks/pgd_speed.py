@@ -75,7 +75,7 @@ from jaxbundle import bundler, goals as goals_lib, losses
 from jaxbundle.attacks import pgd
 from jaxbundle.attacks.base import WhiteBoxModel, per_example_keys
 from jaxbundle.data import load_mnist_sample
-from jaxbundle.models import SmallCNN
+from jaxbundle.models import SmallCNN, _conv_forward, conv_same
 
 EPS = 0.3
 STEP_SIZE = 0.01
@@ -321,60 +321,14 @@ def make_stripped(attack, apply_fn, params, x, y, key, unroll) -> Callable[[], A
 # ----------------------------------------------------------------------------------------
 
 
-def _same_pads(size: int, k: int, s: int) -> tuple[int, int, int]:
-    out = -(-size // s)
-    total = max((out - 1) * s + k - size, 0)
-    return out, total // 2, total - total // 2
-
-
-def _make_conv(stride: int):
-    dn = ("NHWC", "HWIO", "NHWC")
-
-    def fwd_raw(x, k):
-        pads = []
-        for d in (1, 2):
-            _, lo, hi = _same_pads(x.shape[d], k.shape[d - 1], stride)
-            pads.append((lo, hi))
-        return jax.lax.conv_general_dilated(x, k, (stride, stride), pads, dimension_numbers=dn)
-
-    @jax.custom_vjp
-    def conv(x, k):
-        return fwd_raw(x, k)
-
-    def conv_fwd(x, k):
-        return fwd_raw(x, k), (x, k)
-
-    def conv_bwd(res, g):
-        x, k = res
-        # Input gradient as a plain NHWC/HWIO convolution of the dilated cotangent with the
-        # kernel flipped and its in/out swapped by a real transpose (JAX's own transpose rule
-        # swaps the dimension labels instead, giving a 01oi kernel).
-        kt = jnp.swapaxes(jnp.flip(k, (0, 1)), 2, 3)
-        pads = []
-        for d in (1, 2):
-            size, kk = x.shape[d], k.shape[d - 1]
-            out, lo, _ = _same_pads(size, kk, stride)
-            pads.append((kk - 1 - lo, size - (out - 1) * stride - 1 + lo))
-        dx = jax.lax.conv_general_dilated(
-            g, kt, (1, 1), pads, lhs_dilation=(stride, stride), dimension_numbers=dn
-        )
-        dk = jax.vjp(lambda kk: fwd_raw(x, kk), k)[1](g)[0]
-        return dx, dk
-
-    conv.defvjp(conv_fwd, conv_bwd)
-    return conv
-
-
-_CONV_S2 = _make_conv(2)
+def _CONV_S2(x, k):
+    """The library's canonical-gradient convolution (``jaxbundle.models.conv_same``)."""
+    return conv_same(x, k, 2)
 
 
 def _plain_conv_s2(x, k):
     """What ``flax.linen.Conv(padding="SAME", strides=2)`` computes, with JAX's own gradient."""
-    pads = []
-    for d in (1, 2):
-        _, lo, hi = _same_pads(x.shape[d], k.shape[d - 1], 2)
-        pads.append((lo, hi))
-    return jax.lax.conv_general_dilated(x, k, (2, 2), pads, dimension_numbers=("NHWC", "HWIO", "NHWC"))
+    return _conv_forward(x, k, 2)
 
 
 def _small_cnn_apply(conv, variables, x):
