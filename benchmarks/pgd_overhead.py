@@ -21,13 +21,15 @@ process, medians over ``--repeats`` rounds:
 Run with different ``XLA_FLAGS`` to test compiler options, e.g.::
 
     python benchmarks/pgd_overhead.py --n 64
-    XLA_FLAGS=--xla_cpu_enable_concurrency_optimized_scheduler=false \\
-        python benchmarks/pgd_overhead.py --n 64 --out benchmarks/results/pgd_overhead_noconc.json
+    XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=-reduce \\
+        python benchmarks/pgd_overhead.py --n 512 64 --out benchmarks/results/pgd_overhead_noynnreduce.json
+    python benchmarks/pgd_overhead.py --patch-linf-norm --out benchmarks/results/pgd_overhead_patched.json
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import pathlib
 import sys
@@ -53,6 +55,7 @@ from pgd_speed import (  # noqa: E402
 
 from jaxbundle import bundler  # noqa: E402
 from jaxbundle import goals as goals_lib  # noqa: E402
+from jaxbundle import norms  # noqa: E402
 from jaxbundle.attacks import pgd  # noqa: E402
 from jaxbundle.attacks.base import WhiteBoxModel, per_example_keys  # noqa: E402
 from jaxbundle.data import load_mnist_sample  # noqa: E402
@@ -133,11 +136,51 @@ def make_fold_only(x0, y, logits, steps):
     return many, dispatched, scores_only, where_only
 
 
+@contextlib.contextmanager
+def _linf_norm_patched():
+    """Temporarily computes ``norms.norm(d, "linf")`` as ``max(max(d), -min(d))``."""
+    original = norms.norm
+
+    def norm(delta, name):
+        if name == "linf":
+            flat = delta.reshape(delta.shape[0], -1)
+            return jnp.maximum(jnp.max(flat, axis=1), -jnp.min(flat, axis=1))
+        return original(delta, name)
+
+    norms.norm = norm
+    try:
+        yield
+    finally:
+        norms.norm = original
+
+
+def _traced_patched(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` whose first call (where jit traces) runs with the patched Linf norm."""
+    first = [True]
+
+    def run():
+        if first[0]:
+            first[0] = False
+            with _linf_norm_patched():
+                return fn()
+        return fn()
+
+    return run
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--n", type=int, nargs="+", default=[64])
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--only", nargs="+", default=None,
+                   help="time only the variants whose names contain one of these strings "
+                   "(the two floors are always kept)")
+    p.add_argument("--patch-linf-norm", action="store_true",
+                   help="experiment: add '*_patchednorm' twins of the bundle / fold / score "
+                   "variants, traced while jaxbundle.norms.norm computes the Linf norm as "
+                   "max(max(d), -min(d)) (the same numbers) instead of max(abs(d)), whose fused "
+                   "4-D reduction XLA:CPU runs slowly; shows what that library change would gain")
     p.add_argument("--out", type=pathlib.Path,
                    default=pathlib.Path(__file__).resolve().parent / "results" / "pgd_overhead.json")
     args = p.parse_args(argv)
@@ -153,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine_facts(),
         "model_facts": model_description(module, params),
         "steps": args.steps,
+        "patch_linf_norm": args.patch_linf_norm,
         "scan_model": "jaxbundle.models.SmallCNN" if shipped_ok else "canonical twin (pgd_speed.py)",
         "sections": {},
     }
@@ -183,6 +227,22 @@ def main(argv: list[str] | None = None) -> int:
         v[f"fold_x{args.steps}_dispatched"] = lambda: dispatched(xr, logits)
         v[f"score_x{args.steps}_only"] = lambda: scores_only(xr, logits)
         v[f"image_where_x{args.steps}_only"] = lambda: where_only(xr, logits)
+        if args.patch_linf_norm:
+            # New function objects, so that jit traces (and caches) these separately.
+            def apply_patched(p_, x_):
+                return canon(p_, x_)
+
+            prog = make_pgd_program(apply_patched, attack, fold=True, unroll=1, loop="scan")
+            v["S_pgd_fold_patchednorm"] = _traced_patched(lambda: prog(params, x, y, key))
+            v["bundle_unroll=1_patchednorm"] = _traced_patched(
+                make_bundle_call(attack, apply_patched, params, x, y, key, unroll=1)
+            )
+            many_p, _, scores_p, _ = make_fold_only(x, y, logits, args.steps)
+            v[f"fold_x{args.steps}_only_patchednorm"] = _traced_patched(lambda: many_p(xr, logits))
+            v[f"score_x{args.steps}_only_patchednorm"] = _traced_patched(lambda: scores_p(xr, logits))
+        if args.only:
+            v = {k: f for k, f in v.items()
+                 if k.startswith("floor_") or any(s in k for s in args.only)}
         res = run_interleaved(v, args.repeats, f"overhead N={n}")
         loads = res.pop("_load_avg_per_round")
         floor = min(res["floor_b_unrolled"]["median_s"], res["floor_a_chain"]["median_s"])
