@@ -57,7 +57,8 @@ def norm(delta: jax.Array, name: str) -> jax.Array:
     """Per-example Lp norm of ``delta`` (shape ``[B, ...]``), returned as ``[B]``."""
     flat = _flat(delta)
     if name == "linf":
-        return jnp.max(jnp.abs(flat), axis=1)
+        # max(max, -min) rather than max(abs): XLA:CPU runs it ~10x faster (benchmarks/).
+        return jnp.maximum(jnp.max(flat, axis=1), -jnp.min(flat, axis=1))
     if name == "l2":
         return jnp.sqrt(jnp.sum(flat * flat, axis=1))
     if name == "l1":
