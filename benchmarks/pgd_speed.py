@@ -43,7 +43,7 @@ the steady-state median) is kept too, but on a loaded machine it is noise-domina
 
 Usage::
 
-    python benchmarks/pgd_speed.py                  # N = 512 and 64, 7 repeats (~25 min, 2 CPUs)
+    python benchmarks/pgd_speed.py                  # N = 512 and 64, 7 rounds, 5 for restarts (~37 min, 2 CPUs)
     python benchmarks/pgd_speed.py --n 512 64 --repeats 11
     python benchmarks/pgd_speed.py --quick          # smoke test, < 60 s (N=16, PGD-2)
 
