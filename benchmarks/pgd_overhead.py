@@ -71,7 +71,7 @@ def make_pgd_program(apply_fn, attack, *, fold: bool, unroll: int | bool, loop: 
         eps = jnp.full(y.shape, EPS, jnp.float32)
         ids = jnp.arange(y.shape[0], dtype=jnp.int32)
         keys = per_example_keys(key, ids)
-        state = attack.init(attack.config, keys, x0, y, eps, model)
+        state = attack.init(attack.config, keys, x0, y, eps, model, 0)
         best = bundler.candidate_state(x0, jnp.zeros((y.shape[0], 10)), x0, y, NORM, -1, 0, 0)
 
         def body(carry, t):

@@ -229,7 +229,7 @@ def make_python_driven(attack, apply_fn, params, x, y, key) -> Callable[[], Any]
         keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, 0)  # attack index
         keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, 0)  # restart
         clean = bundler.candidate_state(x0, model.logits(x0), x0, yy, NORM, -1, 0, 0)
-        state = attack.init(attack.config, keys, x0, yy, eps, model)
+        state = attack.init(attack.config, keys, x0, yy, eps, model, 0)
         return state, {g: clean for g in GOALS}
 
     @jax.jit
@@ -297,7 +297,7 @@ def _stripped(params, x0, y, key, example_id, *, apply_fn, attack, unroll):
     keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, 0)
     keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, 0)
     clean = bundler.candidate_state(x0, model.logits(x0), x0, y, NORM, -1, 0, 0)
-    state = attack.init(attack.config, keys, x0, y, eps, model)
+    state = attack.init(attack.config, keys, x0, y, eps, model, 0)
 
     def body(s, _):
         s, _cand = attack.step(attack.config, s, model)

@@ -39,6 +39,7 @@ __all__ = [
     "verify",
     "bundle",
     "check_attacks",
+    "goals_for",
     "check_inputs",
 ]
 
@@ -77,13 +78,17 @@ def candidate_state(
     attack: int | jax.Array,
     restart: int | jax.Array,
     step: int | jax.Array,
+    goals: tuple[str, ...] | None = None,
 ) -> BestState:
-    """Wraps one candidate batch as a :class:`BestState` so that it can be folded."""
+    """Wraps one candidate batch as a :class:`BestState` so that it can be folded.
+
+    ``goals``: score only what these goals compare (see :func:`jaxbundle.goals.score`).
+    """
     batch = x.shape[0]
     full = lambda v: jnp.full((batch,), v, dtype=jnp.int32)  # noqa: E731
     return BestState(
         x=x,
-        score=goals_lib.score(x, logits, x0, y, norm),
+        score=goals_lib.score(x, logits, x0, y, norm, goals),
         attack=full(attack),
         restart=full(restart),
         step=full(step),
@@ -177,19 +182,20 @@ def _run_attack(
 
     def one_restart(restart):
         restart_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(attack_keys, restart)
-        state = attack.init(attack.config, restart_keys, x0, y, eps, model)
+        state = attack.init(attack.config, restart_keys, x0, y, eps, model, restart)
 
         def body(carry, t):
             state, best = carry
             state, cand = attack.step(attack.config, state, model)
-            c = candidate_state(cand.x, cand.logits, x0, y, norm, index, restart, t)
+            c = candidate_state(cand.x, cand.logits, x0, y, norm, index, restart, t, goal_names)
             return (state, _fold_all(goal_names, eps, best, c)), None
 
         (state, best), _ = jax.lax.scan(
             body, (state, start), jnp.arange(attack.num_steps), unroll=unroll
         )
         final = candidate_state(
-            state.x, model.logits(state.x), x0, y, norm, index, restart, attack.num_steps
+            state.x, model.logits(state.x), x0, y, norm, index, restart, attack.num_steps,
+            goal_names,
         )
         return _fold_all(goal_names, eps, best, final)
 
@@ -292,6 +298,12 @@ def check_attacks(attacks: Sequence[Attack], norm: str) -> tuple[Attack, ...]:
     return attacks
 
 
+def goals_for(goals: Sequence[str] | str, attacks: Sequence[Attack]) -> tuple[str, ...]:
+    """The goals a bundle tracks: ``goals``, ``misclassify`` first, and each attack's own goal."""
+    goals = (goals,) if isinstance(goals, str) else tuple(goals)
+    return goals_lib.check_goals(goals + tuple(a.goal for a in attacks))
+
+
 def check_inputs(
     apply_fn: Callable[[Any, jax.Array], jax.Array],
     params: Any,
@@ -375,7 +387,8 @@ def bundle(
       key: a PRNG key; example ``i`` draws from ``fold_in(key, example_id[i])``.
       eps: the threat model's radius, a scalar or one per example.
       norm: the threat model's norm, ``"linf"`` or ``"l2"``.
-      goals: goals to track (``misclassify`` always is): see :mod:`jaxbundle.goals`.
+      goals: goals to track (``misclassify`` always is, and ``min_norm`` when a minimum-norm
+        attack is in the bundle): see :mod:`jaxbundle.goals`.
       example_id: ``[B]`` ids that fix each example's randomness; default ``arange(B)``.
       quantize: judge success on images rounded to the 8-bit grid.
       unroll: ``lax.scan`` unroll factor for the steps (``True``: fully unrolled).
@@ -388,7 +401,7 @@ def bundle(
     """
     norms.check_norm(norm)
     attacks = check_attacks(attacks, norm)
-    goal_names = goals_lib.check_goals(goals)
+    goal_names = goals_for(goals, attacks)
     if restart_mode not in ("vmap", "map"):
         raise ValueError(f"restart_mode must be 'vmap' or 'map', got {restart_mode!r}")
     if validate:

@@ -28,7 +28,7 @@ from jaxbundle import data as data_lib
 from jaxbundle import goals as goals_lib
 from jaxbundle import norms
 from jaxbundle.attacks.base import Attack
-from jaxbundle.bundler import BundleResult, bundle, check_attacks, check_inputs
+from jaxbundle.bundler import BundleResult, bundle, check_attacks, check_inputs, goals_for
 from jaxbundle.metrics import Counts
 
 __all__ = ["Evaluation", "evaluate", "per_example_arrays", "default_mesh"]
@@ -131,7 +131,7 @@ def evaluate(
     """
     norms.check_norm(norm)
     attacks = check_attacks(attacks, norm)
-    goal_names = goals_lib.check_goals(goals)
+    goal_names = goals_for(goals, attacks)
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     x = np.asarray(x)

@@ -51,14 +51,36 @@ class Score(NamedTuple):
     prediction: jax.Array  # int32: argmax of the logits
 
 
-def score(x: jax.Array, logits: jax.Array, x0: jax.Array, y: jax.Array, norm: str) -> Score:
-    """Scores candidates ``x`` with their ``logits`` against clean ``x0`` and labels ``y``."""
+def score(
+    x: jax.Array,
+    logits: jax.Array,
+    x0: jax.Array,
+    y: jax.Array,
+    norm: str,
+    goals: tuple[str, ...] | None = None,
+) -> Score:
+    """Scores candidates ``x`` with their ``logits`` against clean ``x0`` and labels ``y``.
+
+    With ``goals``, only what those goals compare is computed, for the bundler's per-step fold:
+    ``misclassified`` is then ``margin > 0`` (the same but on exact ties, where it is the
+    stricter reading), ``prediction`` is -1 and ``confidence`` is 0 unless ``max_confidence``
+    is among them. Verification always rescores in full.
+    """
     margin = losses.margin(logits, y)
-    prediction = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if goals is None:
+        prediction = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        misclassified = prediction != y
+    else:
+        prediction = jnp.full(y.shape, -1, jnp.int32)
+        misclassified = margin > 0
+    if goals is None or "max_confidence" in goals:
+        confidence = losses.wrong_class_confidence(logits, y)
+    else:
+        confidence = jnp.zeros(y.shape, jnp.float32)
     return Score(
-        misclassified=prediction != y,
+        misclassified=misclassified,
         distortion=norms.norm(x - x0, norm),
-        confidence=losses.wrong_class_confidence(logits, y),
+        confidence=confidence,
         margin=margin,
         prediction=prediction,
     )

@@ -35,7 +35,7 @@ def _setup(norm):
 
 
 def _run(attack: Attack, model, keys, x, y, eps):
-    state = attack.init(attack.config, keys, x, y, eps, model)
+    state = attack.init(attack.config, keys, x, y, eps, model, 0)
     states, cands = [state], []
     for _ in range(attack.num_steps):
         state, cand = attack.step(attack.config, state, model)
@@ -56,7 +56,7 @@ class TestConformance:
     def test_state_type_stable_and_jittable(self, make, norm):
         attack = make()
         model, x, y, eps, keys = _setup(norm)
-        init = jax.jit(lambda k, x, y, e, p: attack.init(attack.config, k, x, y, e, model._replace(params=p)))
+        init = jax.jit(lambda k, x, y, e, p: attack.init(attack.config, k, x, y, e, model._replace(params=p), 0))
         step = jax.jit(lambda s, p: attack.step(attack.config, s, model._replace(params=p)))
         state = init(keys, x, y, eps, model.params)
         new_state, cand = step(state, model.params)
@@ -95,7 +95,7 @@ class TestConformance:
 
         def run(r):
             k = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, r)
-            state = attack.init(attack.config, k, x, y, eps, model)
+            state = attack.init(attack.config, k, x, y, eps, model, r)
             return attack.step(attack.config, state, model)[0].x
 
         batched = jax.vmap(run)(jnp.arange(2))
@@ -120,8 +120,8 @@ class TestConformance:
 def test_random_start_differs_between_keys():
     attack = attacks.pgd("linf", steps=1)
     model, x, y, eps, keys = _setup("linf")
-    s1 = attack.init(attack.config, keys, x, y, eps, model)
-    s2 = attack.init(attack.config, attacks.per_example_keys(jax.random.key(1), jnp.arange(16)), x, y, eps, model)
+    s1 = attack.init(attack.config, keys, x, y, eps, model, 0)
+    s2 = attack.init(attack.config, attacks.per_example_keys(jax.random.key(1), jnp.arange(16)), x, y, eps, model, 0)
     assert not np.allclose(s1.x, s2.x)
     assert not np.allclose(s1.x[0], s1.x[1] - x[1] + x[0]), "examples must not share noise"
 
@@ -198,7 +198,7 @@ def test_fgsm_l2_step_is_scaled_by_eps():
     attack = attacks.fgsm("l2")
     eps = jnp.full((8,), 0.037, jnp.float32)
     x = images(x)
-    state = attack.init(attack.config, None, x, jnp.asarray(y), eps, model)
+    state = attack.init(attack.config, None, x, jnp.asarray(y), eps, model, 0)
     state, _ = attack.step(attack.config, state, model)
     np.testing.assert_allclose(norms.norm(state.x - x, "l2"), 0.037, rtol=1e-5)
 

@@ -28,7 +28,7 @@ class _RowConfig(NamedTuple):
     shift: float  # added to every pixel of the victim row (may leave box and ball)
 
 
-def _row_init(config, keys, x0, y, eps, model):
+def _row_init(config, keys, x0, y, eps, model, restart):
     return _RowState(x0, x0, y, eps)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from jaxbundle.attacks.apgd import apgd
 from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel, per_example_keys
 from jaxbundle.attacks.fgsm import fgsm
 from jaxbundle.attacks.pgd import pgd
@@ -19,6 +20,7 @@ __all__ = [
     "per_example_keys",
     "fgsm",
     "pgd",
+    "apgd",
     "AttackInfo",
     "CATALOGUE",
 ]
@@ -46,5 +48,13 @@ CATALOGUE: tuple[AttackInfo, ...] = (
         "white-box",
         "misclassify, max_confidence",
         "Madry et al. 2018, Towards Deep Learning Models Resistant to Adversarial Attacks",
+    ),
+    AttackInfo(
+        "apgd",
+        ("linf", "l2"),
+        "white-box",
+        "misclassify, max_confidence",
+        "Croce & Hein 2020, Reliable Evaluation of Adversarial Robustness with an Ensemble of "
+        "Diverse Parameter-free Attacks (APGD-CE, APGD-DLR, APGD-T)",
     ),
 )

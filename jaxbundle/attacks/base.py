@@ -2,9 +2,11 @@
 
 An attack is an :class:`Attack`: a name, its static configuration, and two pure functions
 
-``init(config, keys, x0, y, eps, model) -> state``
+``init(config, keys, x0, y, eps, model, restart) -> state``
     ``keys`` holds one PRNG key per example (``[B]``), ``x0`` the clean images ``[B, ...]``,
-    ``y`` the labels ``[B]``, ``eps`` the radius per example ``[B]``. ``state`` is a
+    ``y`` the labels ``[B]``, ``eps`` the radius per example ``[B]``; ``restart`` is the
+    restart index (an int32 scalar, traced: the restart axis is a vmap axis), which an attack
+    may use for more than its key, e.g. APGD-T's target class rank. ``state`` is a
     ``NamedTuple`` of arrays with a leading batch axis; it must have a field ``x``: the current
     iterate, inside the input box and (for fixed-budget attacks) inside the eps ball.
 
@@ -83,7 +85,14 @@ class WhiteBoxModel(NamedTuple):
 
 class InitFn(Protocol):
     def __call__(
-        self, config: Any, keys: jax.Array, x0: jax.Array, y: jax.Array, eps: jax.Array, model: Any
+        self,
+        config: Any,
+        keys: jax.Array,
+        x0: jax.Array,
+        y: jax.Array,
+        eps: jax.Array,
+        model: Any,
+        restart: jax.Array,
     ) -> Any: ...
 
 
@@ -103,6 +112,10 @@ class Attack(NamedTuple):
       gradients_per_step: gradient evaluations one step spends on one example.
       init, step: the pure functions described in the module docstring.
       config: the static, hashable hyper-parameters passed to ``init`` and ``step``.
+      goal: the goal its candidates are made for: ``"misclassify"`` for fixed-budget attacks,
+        whose iterates stay inside the eps ball, or ``"min_norm"`` for minimum-norm attacks,
+        which ignore eps and look for the smallest adversarial perturbation (the bundler then
+        tracks the min-norm goal too; their candidates within eps also count for misclassify).
     """
 
     name: str
@@ -114,6 +127,7 @@ class Attack(NamedTuple):
     init: InitFn
     step: StepFn
     config: Any
+    goal: str = "misclassify"
 
     @property
     def gradients(self) -> int:

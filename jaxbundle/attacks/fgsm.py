@@ -34,8 +34,8 @@ class FGSMState(NamedTuple):
     eps: jax.Array  # [B] radius
 
 
-def init(config: FGSMConfig, keys, x0, y, eps, model) -> FGSMState:
-    del config, keys, model
+def init(config: FGSMConfig, keys, x0, y, eps, model, restart) -> FGSMState:
+    del config, keys, model, restart
     return FGSMState(x=x0, x0=x0, y=y, eps=eps)
 
 

@@ -57,8 +57,8 @@ def random_in_ball(keys: jax.Array, shape: tuple[int, ...], eps: jax.Array, norm
     return jax.vmap(one)(keys, eps)
 
 
-def init(config: PGDConfig, keys, x0, y, eps, model) -> PGDState:
-    del model
+def init(config: PGDConfig, keys, x0, y, eps, model, restart) -> PGDState:
+    del model, restart
     if config.random_start:
         x = norms.project_box(x0 + random_in_ball(keys, x0.shape[1:], eps, config.norm))
     else:
