@@ -19,32 +19,19 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-__all__ = ["main", "build_attacks", "BUNDLE_ATTACKS"]
+from jaxbundle.suites import ATTACKS, BUNDLES, bundle_attacks
 
-# Names accepted by --attacks, in the default order.
-BUNDLE_ATTACKS = ("fgsm", "pgd-ce", "pgd-margin", "pgd-dlr")
-DEFAULT_ATTACKS = ("fgsm", "pgd-ce", "pgd-margin")
+__all__ = ["main", "build_attacks"]
 
 
-def build_attacks(
-    names: Sequence[str], norm: str, steps: int, restarts: int, step_size: float | None
-):
-    """Builds the attacks named on the command line."""
-    from jaxbundle import attacks
+def build_attacks(args: argparse.Namespace):
+    """The attacks of ``--attacks`` if given, else of ``--bundle``."""
+    from jaxbundle import suites
 
-    built = []
-    for name in names:
-        if name == "fgsm":
-            built.append(attacks.fgsm(norm=norm))
-        elif name.startswith("pgd-") and name[4:] in ("ce", "margin", "dlr"):
-            built.append(
-                attacks.pgd(
-                    norm=norm, loss=name[4:], steps=steps, restarts=restarts, step_size=step_size
-                )
-            )
-        else:
-            raise ValueError(f"unknown attack {name!r}; choose from {', '.join(BUNDLE_ATTACKS)}")
-    return built
+    options = dict(steps=args.steps, restarts=args.restarts, step_size=args.step_size)
+    if args.attacks:
+        return tuple(suites.attack(name, args.norm, **options) for name in args.attacks)
+    return suites.bundle_attacks(args.bundle, args.norm, **options)
 
 
 def _positive_int(text: str) -> int:
@@ -92,13 +79,23 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--eps", type=_non_negative_float, default=0.3, help="radius of the eps ball")
     ev.add_argument("--norm", choices=("linf", "l2"), default="linf")
     ev.add_argument(
+        "--bundle",
+        choices=tuple(BUNDLES),
+        default="pgd",
+        help="named bundle of attacks (see jaxbundle.suites); default: the PGD bundle",
+    )
+    ev.add_argument(
         "--attacks",
         type=_csv,
-        default=list(DEFAULT_ATTACKS),
-        help=f"comma-separated, from {','.join(BUNDLE_ATTACKS)}",
+        default=None,
+        help=f"comma-separated attacks instead of a bundle, from {','.join(ATTACKS)}",
     )
-    ev.add_argument("--steps", type=_positive_int, default=40, help="PGD steps")
-    ev.add_argument("--restarts", type=_positive_int, default=3, help="PGD random restarts")
+    ev.add_argument(
+        "--steps", type=_positive_int, default=None, help="iterations of every iterative attack"
+    )
+    ev.add_argument(
+        "--restarts", type=_positive_int, default=None, help="random restarts of PGD / APGD"
+    )
     ev.add_argument(
         "--step-size", type=_positive_float, default=None, help="PGD step (default 2.5*eps/steps)"
     )
@@ -128,6 +125,22 @@ def _list_attacks(console: Console) -> None:
     for info in CATALOGUE:
         t.add_row(info.name, ", ".join(info.norms), info.kind, info.goal, info.paper)
     console.print(t)
+    b = Table(title="bundles (--bundle)")
+    for column in ("name", "linf", "l2"):
+        b.add_column(column, overflow="fold")
+    for name in BUNDLES:
+        b.add_row(name, *(_describe(bundle_attacks(name, norm)) for norm in ("linf", "l2")))
+    console.print(b)
+    console.print(f"attack names for --attacks: {', '.join(ATTACKS)}")
+
+
+def _describe(attacks) -> str:
+    return ", ".join(
+        f"{a.name} ({a.num_steps} step{'s' if a.num_steps > 1 else ''}"
+        + (f" x {a.num_restarts}" if a.num_restarts > 1 else "")
+        + ")"
+        for a in attacks
+    )
 
 
 def _evaluate(args: argparse.Namespace, console: Console) -> None:
@@ -140,7 +153,7 @@ def _evaluate(args: argparse.Namespace, console: Console) -> None:
     unknown = [m for m in args.models if m not in models.MODELS]
     if unknown:
         raise ValueError(f"unknown model(s) {unknown}; choose from {sorted(models.MODELS)}")
-    attack_list = build_attacks(args.attacks, args.norm, args.steps, args.restarts, args.step_size)
+    attack_list = build_attacks(args)
     dataset = data.load_mnist_sample("test", n=args.n)
 
     progress = Progress(
@@ -188,6 +201,7 @@ def _evaluate(args: argparse.Namespace, console: Console) -> None:
         "n": args.n,
         "eps": args.eps,
         "norm": args.norm,
+        "bundle": None if args.attacks else args.bundle,
         "attacks": [a.name for a in attack_list],
         "steps": args.steps,
         "restarts": args.restarts,

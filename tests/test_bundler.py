@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from jaxbundle import attacks, norms
-from jaxbundle.attacks.base import Attack, Candidate
-from jaxbundle.bundler import bundle
+from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel
+from jaxbundle.bundler import bundle, quantize_min_norm
 from jaxbundle.metrics import Counts
 from toys import KEY, images, linear_apply, linear_problem, min_distance
 
@@ -225,3 +225,25 @@ def test_bundle_configuration_errors():
         run([attacks.fgsm()], goals=("fastest",))
     with pytest.raises(ValueError, match="logits"):
         bundle([attacks.fgsm()], lambda p, x: x.reshape(-1), params, images(x), jnp.asarray(y), KEY, eps=0.1)
+
+
+def test_min_norm_candidates_survive_rounding_to_the_grid():
+    """Points just past a linear boundary: nearest rounding loses many; the stretch keeps all."""
+    params, x, y = linear_problem(n=64, k=2, seed=3)
+    w = np.asarray(params["w"])
+    z = np.asarray(linear_apply(params, jnp.asarray(x)))
+    rows = np.arange(len(y))
+    direction = (w[:, 1 - y] - w[:, y]).T  # [n, d]
+    gap = z[rows, y] - z[rows, 1 - y]
+    delta = (gap / np.sum(direction**2, axis=1) * (1 + 1e-3))[:, None] * direction
+    x0, xa = images(x), images(x + delta)
+    model = WhiteBoxModel(linear_apply, params)
+    yy = jnp.asarray(y)
+    fooled = lambda v: np.asarray(jnp.argmax(model.logits(v), -1) != yy)  # noqa: E731
+    assert fooled(xa).all()
+    assert fooled(norms.quantize(xa, x0)).mean() < 0.9, "the toy must make plain rounding fail"
+    q = quantize_min_norm(model, xa, x0, yy)
+    assert fooled(q).all()
+    np.testing.assert_array_equal(np.round(np.asarray(q) * 255), np.asarray(q) * 255)
+    slack = np.sqrt(x.shape[1]) * 0.5 / 255  # half a level on every pixel
+    assert np.all(np.asarray(norms.norm(q - x0, "l2")) <= 1.3 * np.linalg.norm(delta, axis=1) + slack)

@@ -19,7 +19,8 @@ TINY = ["--n", "24", "--train-examples", "300", "--train-epochs", "1", "--steps"
 def test_attacks_lists_every_attack(capsys):
     assert main(["attacks"]) == 0
     out = capsys.readouterr().out
-    for text in ("fgsm", "pgd", "linf", "white-box", "Madry", "Goodfellow"):
+    for text in ("fgsm", "pgd", "linf", "white-box", "Madry", "Goodfellow", "apgd", "Croce",
+                 "min_norm", "cw-l2", "bundles", "standard", "fast"):
         assert text in out
 
 
@@ -31,6 +32,7 @@ def test_attacks_lists_every_attack(capsys):
         (["evaluate", "--norm", "l7"], "invalid choice"),
         (["evaluate", "--steps", "many"], "positive integer"),
         (["evaluate", "--attacks", ""], "comma-separated"),
+        (["evaluate", "--bundle", "strong"], "invalid choice"),
     ],
 )
 def test_bad_flags_exit_2_with_a_message(argv, message, capsys):
@@ -44,6 +46,7 @@ def test_bad_flags_exit_2_with_a_message(argv, message, capsys):
     "argv, message",
     [
         (["evaluate", "--attacks", "fgsm,cw"], "unknown attack 'cw'"),
+        (["evaluate", "--attacks", "cw-l2"], "works in norm 'l2', not 'linf'"),
         (["evaluate", "--models", "resnet"], "unknown model"),
         (["evaluate", "--n", "5000"], "2000"),
     ],
@@ -94,3 +97,11 @@ def test_evaluate_end_to_end(tmp_path):
         for key in ("clean_accuracy", "robust_accuracy", "mat"):
             assert report2["models"][name][key] == report["models"][name][key]
     assert len(os.listdir(tmp_path / "cache" / "models")) >= 2
+
+    # A named bundle: APGD-CE and APGD-T (9 targets on MNIST's 10 classes).
+    fast = cmd[:-2] + ["--bundle", "fast", "--models", "adversarial", "--restarts", "1"]
+    run = subprocess.run(fast, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report3 = json.loads((out / "report.json").read_text())
+    assert report3["config"]["bundle"] == "fast"
+    assert set(report3["models"]["adversarial"]["mat"]) == {"apgd-ce", "apgd-t"}

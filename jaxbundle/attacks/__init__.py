@@ -9,8 +9,12 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from jaxbundle.attacks.apgd import apgd
+from jaxbundle.attacks.bp import bp
 from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel, per_example_keys
+from jaxbundle.attacks.cw import cw
+from jaxbundle.attacks.deepfool import deepfool
 from jaxbundle.attacks.fgsm import fgsm
+from jaxbundle.attacks.fmn import fmn
 from jaxbundle.attacks.pgd import pgd
 
 __all__ = [
@@ -21,6 +25,10 @@ __all__ = [
     "fgsm",
     "pgd",
     "apgd",
+    "bp",
+    "cw",
+    "deepfool",
+    "fmn",
     "AttackInfo",
     "CATALOGUE",
 ]
@@ -56,5 +64,36 @@ CATALOGUE: tuple[AttackInfo, ...] = (
         "misclassify, max_confidence",
         "Croce & Hein 2020, Reliable Evaluation of Adversarial Robustness with an Ensemble of "
         "Diverse Parameter-free Attacks (APGD-CE, APGD-DLR, APGD-T)",
+    ),
+    AttackInfo(
+        "bp",
+        ("l2",),
+        "white-box",
+        "min_norm",
+        "Zhang, Avrithis, Furon & Amsaleg 2020, Walking on the Edge: Fast, Low-Distortion "
+        "Adversarial Examples (stage-1 step from Pautrat et al. 2021, RoBIC)",
+    ),
+    AttackInfo(
+        "cw-l2",
+        ("l2",),
+        "white-box",
+        "min_norm",
+        "Carlini & Wagner 2017, Towards Evaluating the Robustness of Neural Networks",
+    ),
+    AttackInfo(
+        "fmn",
+        ("linf", "l2", "l1"),
+        "white-box",
+        "min_norm",
+        "Pintor, Roli, Brendel & Biggio 2021, Fast Minimum-norm Adversarial Attacks through "
+        "Adaptive Norm Constraints",
+    ),
+    AttackInfo(
+        "deepfool",
+        ("linf", "l2"),
+        "white-box",
+        "min_norm",
+        "Moosavi-Dezfooli, Fawzi & Frossard 2016, DeepFool: a simple and accurate method to "
+        "fool deep neural networks",
     ),
 )

@@ -1,0 +1,134 @@
+"""Attacks and bundles by name: what ``jaxbundle evaluate --attacks/--bundle`` accept.
+
+A *bundle* is a tuple of attacks that ``jaxbundle.bundle`` runs together, keeping the best
+candidate per example:
+
+``standard``
+    At least AutoAttack's white-box part (Croce & Hein 2020): APGD-CE (100 steps) and APGD-T
+    (targeted DLR, 9 target classes x 100 steps), plus FMN (100 steps), a minimum-norm attack
+    whose candidates within eps count too and which gives every example a distortion.
+``fast``
+    A quick look: APGD-CE and APGD-T with 3 targets, 20 steps each.
+``pgd``
+    The walking skeleton's default: FGSM, and PGD-40 with the CE and the margin loss, 3
+    random restarts each.
+``min-norm``
+    The minimum-norm attacks for the success-vs-distortion curve (L2: FMN, DDN-free BP, CW,
+    DeepFool; Linf: FMN, DeepFool).
+
+``steps`` and ``restarts`` override every iterative attack's defaults; ``step_size`` is PGD's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from jaxbundle import attacks as attacks_lib
+from jaxbundle import norms
+from jaxbundle.attacks.base import Attack
+
+__all__ = ["ATTACKS", "BUNDLES", "attack", "bundle_attacks"]
+
+
+def _pgd(loss: str) -> Callable[..., Attack]:
+    def make(norm, steps=None, restarts=None, step_size=None):
+        return attacks_lib.pgd(
+            norm, loss=loss, steps=steps or 40, restarts=restarts or 1, step_size=step_size
+        )
+
+    return make
+
+
+def _apgd(loss: str, targets: int = 9) -> Callable[..., Attack]:
+    def make(norm, steps=None, restarts=None, step_size=None):
+        del step_size
+        if loss.endswith("targeted"):
+            return attacks_lib.apgd(norm, loss=loss, steps=steps or 100, targets=targets)
+        return attacks_lib.apgd(norm, loss=loss, steps=steps or 100, restarts=restarts or 1)
+
+    return make
+
+
+def _min_norm(factory: Callable[..., Attack], takes_norm: bool = True) -> Callable[..., Attack]:
+    def make(norm, steps=None, restarts=None, step_size=None):
+        del restarts, step_size
+        kwargs: dict[str, Any] = {} if steps is None else {"steps": steps}
+        return factory(norm, **kwargs) if takes_norm else factory(**kwargs)
+
+    return make
+
+
+# name -> make(norm, steps=None, restarts=None, step_size=None) -> Attack
+ATTACKS: dict[str, Callable[..., Attack]] = {
+    "fgsm": lambda norm, steps=None, restarts=None, step_size=None: attacks_lib.fgsm(norm),
+    "pgd-ce": _pgd("ce"),
+    "pgd-margin": _pgd("margin"),
+    "pgd-dlr": _pgd("dlr"),
+    "apgd-ce": _apgd("ce"),
+    "apgd-dlr": _apgd("dlr"),
+    "apgd-t": _apgd("dlr-targeted"),
+    "bp": _min_norm(attacks_lib.bp),
+    "fmn": _min_norm(attacks_lib.fmn),
+    "cw-l2": _min_norm(attacks_lib.cw, takes_norm=False),
+    "deepfool": _min_norm(attacks_lib.deepfool),
+}
+
+# name -> tuple of (attack name, norms it applies to or None for all, overrides)
+BUNDLES: dict[str, tuple[tuple[str, tuple[str, ...] | None, dict[str, Any]], ...]] = {
+    "standard": (("apgd-ce", None, {}), ("apgd-t", None, {}), ("fmn", None, {})),
+    "fast": (("apgd-ce", None, {"steps": 20}), ("apgd-t3", None, {"steps": 20})),
+    "pgd": (
+        ("fgsm", None, {}),
+        ("pgd-ce", None, {"restarts": 3}),
+        ("pgd-margin", None, {"restarts": 3}),
+    ),
+    "min-norm": (
+        ("fmn", None, {}),
+        ("bp", ("l2",), {}),
+        ("cw-l2", ("l2",), {}),
+        ("deepfool", None, {}),
+    ),
+}
+ATTACKS["apgd-t3"] = _apgd("dlr-targeted", targets=3)
+
+
+def attack(
+    name: str,
+    norm: str = "linf",
+    *,
+    steps: int | None = None,
+    restarts: int | None = None,
+    step_size: float | None = None,
+) -> Attack:
+    """Builds the attack called ``name`` (see :data:`ATTACKS`) for the threat norm ``norm``."""
+    norms.check_norm(norm)
+    if name not in ATTACKS:
+        raise ValueError(f"unknown attack {name!r}; choose from {', '.join(ATTACKS)}")
+    built = ATTACKS[name](norm, steps=steps, restarts=restarts, step_size=step_size)
+    if built.norm != norm:
+        raise ValueError(f"attack {name!r} works in norm {built.norm!r}, not {norm!r}")
+    return built
+
+
+def bundle_attacks(
+    name: str,
+    norm: str = "linf",
+    *,
+    steps: int | None = None,
+    restarts: int | None = None,
+    step_size: float | None = None,
+) -> tuple[Attack, ...]:
+    """The attacks of the bundle called ``name`` (see :data:`BUNDLES`) for ``norm``."""
+    norms.check_norm(norm)
+    if name not in BUNDLES:
+        raise ValueError(f"unknown bundle {name!r}; choose from {', '.join(BUNDLES)}")
+    built = []
+    for attack_name, only, overrides in BUNDLES[name]:
+        if only is not None and norm not in only:
+            continue
+        kwargs = dict(overrides)
+        kwargs.update({k: v for k, v in (("steps", steps), ("restarts", restarts)) if v is not None})
+        built.append(attack(attack_name, norm, step_size=step_size, **kwargs))
+    if not built:
+        raise ValueError(f"bundle {name!r} has no attack for norm {norm!r}")
+    return tuple(built)

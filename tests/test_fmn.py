@@ -1,0 +1,251 @@
+"""FMN: factory, protocol, exact gradient count, eps_k rules, and the linear-model oracles."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxbundle import losses, norms
+from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel
+from jaxbundle.attacks.fmn import cosine, fmn
+from jaxbundle.bundler import bundle
+from toys import KEY, images, linear_apply, linear_problem, min_distance
+
+
+def _dot_flops(jaxpr) -> int:
+    """Multiply-adds of every dot_general in a jaxpr, sub-jaxprs (jit, scan, ...) included."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (contract, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            total += int(np.prod(eqn.outvars[0].aval.shape)) * int(
+                np.prod([lhs[i] for i in contract])
+            )
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                if hasattr(sub, "eqns"):
+                    total += _dot_flops(sub)
+                elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
+                    total += _dot_flops(sub.jaxpr)
+    return total
+
+
+def _run(attack: Attack, model, x, y, steps=None):
+    state = attack.init(attack.config, None, x, y, None, model, 0)
+    states, cands = [state], []
+    step = jax.jit(lambda s: attack.step(attack.config, s, model))
+    for _ in range(attack.num_steps if steps is None else steps):
+        state, cand = step(state)
+        states.append(state)
+        cands.append(cand)
+    return states, cands
+
+
+def _l1_min_distance_in_box(params, x, y) -> np.ndarray:
+    """Exact minimal L1 distance to misclassification of a linear model inside the box [0, 1].
+
+    Per class j a fractional knapsack: buy margin on the pixels with the largest |w_j - w_y|
+    first, each up to the box (``1 - x`` upwards, ``x`` downwards).
+    """
+    w = np.asarray(params["w"], np.float64)
+    z = np.asarray(linear_apply(params, jnp.asarray(x)), np.float64)
+    best = np.full(len(y), np.inf)
+    for i in range(len(y)):
+        for j in range(w.shape[1]):
+            if j == y[i]:
+                continue
+            diff = w[:, j] - w[:, y[i]]
+            need, cost = z[i, y[i]] - z[i, j], 0.0
+            room = np.where(diff > 0, 1.0 - x[i], x[i])
+            for c in np.argsort(-np.abs(diff)):
+                if abs(diff[c]) * room[c] >= need:
+                    cost, need = cost + need / abs(diff[c]), 0.0
+                    break
+                cost, need = cost + room[c], need - abs(diff[c]) * room[c]
+            if need <= 0:
+                best[i] = min(best[i], cost)
+    return best
+
+
+def _oracle(params, x, y, norm):
+    if norm == "l1":
+        return _l1_min_distance_in_box(params, x, y)
+    return min_distance(params, x, y, norm)
+
+
+def _best(params, x, y, norm, attack):
+    r = bundle(
+        [attack], linear_apply, params, images(x), jnp.asarray(y), KEY, eps=0.1, norm=norm,
+        quantize=False,
+    )
+    return r.best["min_norm"].score
+
+
+# ---------------------------------------------------------------------------------------------
+# Factory, schedule and protocol.
+
+
+def test_factory_defaults_and_equality():
+    a = fmn()
+    assert isinstance(a, Attack) and a.kind == "white-box" and a.goal == "min_norm"
+    assert a.norm == "l2" and a.num_steps == 100 and a.num_restarts == 1 and a.name == "fmn"
+    assert a.gradients_per_step == 1 and a.gradients == 100
+    for norm, alpha in (("l2", 1.0), ("linf", 10.0), ("l1", 1.0)):
+        c = fmn(norm).config
+        assert (c.alpha_init, c.alpha_final) == (alpha, alpha / 100)
+        assert (c.gamma_init, c.gamma_final, c.boundary_slack) == (0.05, 0.001, True)
+    assert fmn("l1", steps=7) == fmn("l1", steps=7)
+    hash(a)
+    assert fmn(alpha_init=2.0, alpha_final=0.5).config.alpha_final == 0.5
+
+
+def test_factory_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="norm"):
+        fmn("l0")
+    with pytest.raises(ValueError, match="steps"):
+        fmn(steps=0)
+    with pytest.raises(ValueError, match="alpha_init"):
+        fmn(alpha_init=0.0)
+    with pytest.raises(ValueError, match="alpha_final"):
+        fmn(alpha_final=-1.0)
+    with pytest.raises(ValueError, match="gamma_init"):
+        fmn(gamma_init=1.0)
+    with pytest.raises(ValueError, match="gamma_final"):
+        fmn(gamma_final=-0.1)
+
+
+def test_cosine_schedule():
+    k = jnp.arange(11)
+    h = np.asarray(cosine(0.05, 0.001, k, 10))
+    np.testing.assert_allclose(h[[0, 5, 10]], [0.05, 0.0255, 0.001], rtol=1e-5)
+    assert np.all(np.diff(h) < 0)
+
+
+@pytest.mark.parametrize("norm", ["linf", "l2", "l1"])
+def test_iterates_in_box_and_eps_ball_and_logits_are_the_models(norm):
+    # Images spread over the whole box: clipping binds.
+    params, xf, yf = linear_problem(n=16, k=4, seed=2, spread=0.5)
+    model, x, y = WhiteBoxModel(linear_apply, params), images(xf), jnp.asarray(yf)
+    states, cands = _run(fmn(norm, steps=20), model, x, y)
+    for a, b in zip(jax.tree.leaves(states[0]), jax.tree.leaves(states[-1])):
+        assert a.shape == b.shape and a.dtype == b.dtype
+    assert any(np.any(np.asarray(s.x) == 0.0) or np.any(np.asarray(s.x) == 1.0) for s in states)
+    for s in states:
+        assert float(s.x.min()) >= 0.0 and float(s.x.max()) <= 1.0
+        assert np.all(np.asarray(norms.in_ball(s.x - x, s.eps, norm)))
+    for cand in cands:
+        assert isinstance(cand, Candidate) and cand.logits.shape == (16, 4)
+        np.testing.assert_allclose(cand.logits, model.logits(cand.x), rtol=1e-5, atol=1e-5)
+
+
+def test_gradients_per_step_is_exact():
+    """The step's multiply-adds on a linear model: one forward and one backward pass."""
+    params, xf, yf = linear_problem(n=16, k=4)
+    model, x, y = WhiteBoxModel(linear_apply, params), images(xf), jnp.asarray(yf)
+    attack = fmn("l1")
+    state = attack.init(attack.config, None, x, y, None, model, 0)
+    forward = _dot_flops(jax.make_jaxpr(lambda p, xx: linear_apply(p, xx))(params, x).jaxpr)
+    step = jax.make_jaxpr(lambda s, p: attack.step(attack.config, s, model._replace(params=p)))
+    total = _dot_flops(step(state, params).jaxpr)
+    assert forward > 0 and total == forward * (1 + attack.gradients_per_step)
+
+
+def test_deterministic_and_vmappable_over_restarts():
+    params, xf, yf = linear_problem(n=16, k=4)
+    model, x, y = WhiteBoxModel(linear_apply, params), images(xf), jnp.asarray(yf)
+    attack = fmn("linf", steps=5)
+    a = _run(attack, model, x, y)[0][-1]
+    b = _run(attack, model, x, y)[0][-1]
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+
+    def run(r):
+        state = attack.init(attack.config, None, x, y, None, model, r)
+        return attack.step(attack.config, state, model)[0].x
+
+    np.testing.assert_allclose(jax.vmap(run)(jnp.arange(2))[1], run(1), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("norm", ["linf", "l2", "l1"])
+def test_first_step_eps_rules(norm):
+    """Step 1 from x0: eps_1 = (1 + gamma_1) * |margin| / ||grad||_* where x0 is classified
+    correctly (the first-order boundary estimate), 0 where x0 is already misclassified."""
+    params, xf, yf = linear_problem(n=16, k=4, seed=5)
+    yf = yf.copy()
+    yf[:3] = (yf[:3] + 1) % 4  # misclassified from the start
+    model, x, y = WhiteBoxModel(linear_apply, params), images(xf), jnp.asarray(yf)
+    attack = fmn(norm, steps=10)
+    states, _ = _run(attack, model, x, y, steps=1)
+    margin, grad, _ = model.loss_and_grad(losses.margin, x, y)
+    dual = {"linf": "l1", "l2": "l2", "l1": "linf"}[norm]
+    gamma1 = float(cosine(0.05, 0.001, 1, 10))
+    expected = (1 + gamma1) * np.abs(margin) / np.asarray(norms.norm(grad, dual))
+    eps = np.asarray(states[1].eps)
+    np.testing.assert_allclose(eps[3:], expected[3:], rtol=1e-5)
+    np.testing.assert_array_equal(eps[:3], 0.0)
+    np.testing.assert_array_equal(np.asarray(states[1].best_norm[:3]), 0.0)
+    np.testing.assert_array_equal(np.asarray(states[1].x[:3]), np.asarray(x[:3]))
+    assert np.all(np.isinf(np.asarray(states[1].best_norm[3:])))
+
+
+@pytest.mark.parametrize("norm", ["linf", "l2", "l1"])
+def test_success_never_lost(norm):
+    """||delta*|| only shrinks, eps_k never exceeds it after an adversarial step, and the
+    bundle's min-norm result is at least as good as every misclassified candidate."""
+    params, xf, yf = linear_problem(n=32, k=4, seed=6)
+    model, x, y = WhiteBoxModel(linear_apply, params), images(xf), jnp.asarray(yf)
+    attack = fmn(norm, steps=30)
+    states, cands = _run(attack, model, x, y)
+    for prev, cur, cand in zip(states, states[1:], cands):
+        before, after = np.asarray(prev.best_norm), np.asarray(cur.best_norm)
+        assert np.all(after <= before)
+        adv = np.asarray(losses.margin(cand.logits, y) > 0)
+        assert np.all(np.isfinite(after[adv]))
+        assert np.all(np.asarray(cur.eps)[adv] <= after[adv])
+    wrong = np.stack([np.asarray(losses.margin(c.logits, y) > 0) for c in cands])
+    dist = np.stack([np.asarray(norms.norm(c.x - x, norm)) for c in cands])
+    smallest = np.where(wrong, dist, np.inf).min(axis=0)
+    np.testing.assert_allclose(np.asarray(states[-1].best_norm), smallest, rtol=1e-6)
+    assert wrong.any(axis=0).mean() > 0.9
+    best = _best(params, xf, yf, norm, attack)
+    found = wrong.any(axis=0)
+    assert np.all(np.asarray(best.misclassified)[found])
+    assert np.all(np.asarray(best.distortion)[found] <= smallest[found] * (1 + 1e-6))
+
+
+# ---------------------------------------------------------------------------------------------
+# Analytic oracles on linear models.
+
+
+@pytest.mark.parametrize("norm", ["linf", "l2", "l1"])
+@pytest.mark.parametrize("classes", [2, 4])
+def test_within_one_percent_of_the_analytic_minimum(norm, classes):
+    """For L1 with 4 classes the minimal single-pixel change leaves the box, so the oracle is
+    the exact box-constrained minimum; elsewhere the box does not bind."""
+    params, x, y = linear_problem(n=200, k=classes, seed=1)
+    dist = _oracle(params, x, y, norm)
+    best = _best(params, x, y, norm, fmn(norm))
+    keep = dist > 1e-3
+    assert keep.sum() >= 150
+    assert np.all(np.asarray(best.misclassified)[keep])
+    ratio = np.asarray(best.distortion)[keep] / dist[keep]
+    assert ratio.min() >= 1.0 - 1e-4 and ratio.max() <= 1.01
+
+
+def test_box_oracle_agrees_with_the_unboxed_one_where_the_box_does_not_bind():
+    params, x, y = linear_problem(n=50, k=2, seed=1)
+    np.testing.assert_allclose(
+        _l1_min_distance_in_box(params, x, y), min_distance(params, x, y, "l1"), rtol=1e-5
+    )
+
+
+def test_boundary_slack_finds_what_algorithm_1_verbatim_misses():
+    """Algorithm 1's exact boundary estimate can stall a hair short of a linear boundary."""
+    params, x, y = linear_problem(n=200, k=2, seed=1)
+    with_slack = np.asarray(_best(params, x, y, "l2", fmn("l2", steps=30)).misclassified)
+    verbatim = np.asarray(
+        _best(params, x, y, "l2", fmn("l2", steps=30, boundary_slack=False)).misclassified
+    )
+    assert with_slack.all() and verbatim.sum() < with_slack.sum()

@@ -1,0 +1,67 @@
+"""Named attacks and bundles (``jaxbundle.suites``) and the catalogue."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxbundle import attacks, suites
+
+
+@pytest.mark.parametrize("name", sorted(suites.ATTACKS))
+def test_every_named_attack_builds_for_the_norms_it_supports(name):
+    built = 0
+    for norm in ("linf", "l2"):
+        try:
+            a = suites.attack(name, norm)
+        except ValueError as err:
+            assert "norm" in str(err)
+            continue
+        built += 1
+        assert isinstance(a, attacks.Attack) and a.norm == norm and a.kind == "white-box"
+    assert built >= 1
+
+
+def test_min_norm_attacks_feed_the_min_norm_goal():
+    for name in ("bp", "cw-l2", "fmn", "deepfool"):
+        assert suites.attack(name, "l2").goal == "min_norm"
+    for name in ("fgsm", "pgd-ce", "apgd-ce", "apgd-t"):
+        assert suites.attack(name, "linf").goal == "misclassify"
+
+
+def test_standard_bundle_contains_autoattacks_white_box_part():
+    standard = {a.name: a for a in suites.bundle_attacks("standard", "linf")}
+    assert standard["apgd-ce"].config.loss == "ce" and standard["apgd-ce"].num_steps == 100
+    t = standard["apgd-t"]
+    assert t.config.loss == "dlr-targeted" and t.num_restarts == 9 and t.num_steps == 100
+    assert "fmn" in standard
+    fast = suites.bundle_attacks("fast", "l2")
+    assert sum(a.gradients for a in fast) < sum(a.gradients for a in standard.values()) / 5
+
+
+def test_overrides_and_norm_specific_members():
+    pgd = suites.bundle_attacks("pgd", "linf", steps=7, restarts=2)
+    assert [a.name for a in pgd] == ["fgsm", "pgd-ce", "pgd-margin"]
+    assert all(a.num_steps == 7 and a.num_restarts == 2 for a in pgd[1:])
+    assert suites.bundle_attacks("pgd", "linf")[1].num_restarts == 3
+    linf = [a.name for a in suites.bundle_attacks("min-norm", "linf")]
+    l2 = [a.name for a in suites.bundle_attacks("min-norm", "l2")]
+    assert "bp" not in linf and "cw-l2" not in linf and {"bp", "cw-l2", "fmn"} <= set(l2)
+
+
+def test_unknown_names_and_wrong_norms_are_clear_errors():
+    with pytest.raises(ValueError, match="unknown attack 'cw'"):
+        suites.attack("cw")
+    with pytest.raises(ValueError, match="unknown bundle 'strong'"):
+        suites.bundle_attacks("strong")
+    with pytest.raises(ValueError, match="cw-l2.*'l2', not 'linf'"):
+        suites.attack("cw-l2", "linf")
+    with pytest.raises(ValueError, match="unknown norm"):
+        suites.attack("fgsm", "l3")
+
+
+def test_catalogue_lists_every_attack_family_with_its_goal():
+    names = {info.name: info for info in attacks.CATALOGUE}
+    assert {"fgsm", "pgd", "apgd", "bp", "cw-l2", "fmn", "deepfool"} <= set(names)
+    for name in ("bp", "cw-l2", "fmn", "deepfool"):
+        assert names[name].goal == "min_norm"
+    assert all(info.paper and info.kind in attacks.base.KINDS for info in attacks.CATALOGUE)
