@@ -29,7 +29,7 @@ import numpy as np
 
 from jaxbundle import goals as goals_lib
 from jaxbundle import norms
-from jaxbundle.attacks.base import Attack, WhiteBoxModel, per_example_keys
+from jaxbundle.attacks.base import Attack, WhiteBoxModel, per_example_keys, threat_model
 
 __all__ = [
     "BestState",
@@ -63,6 +63,7 @@ class BundleResult(NamedTuple):
     clean: goals_lib.Score  # the clean image's score
     attack_success: jax.Array  # bool [A, B]: each attack alone (misclassify goal, verified)
     gradients: jax.Array  # int32 [B]: gradient evaluations spent per example
+    queries: jax.Array  # int32 [B]: black-box model queries spent per example
 
 
 def fold(goal: str, eps: jax.Array, best: BestState, cand: BestState) -> BestState:
@@ -209,15 +210,18 @@ def _run_attack(
 ) -> dict[str, BestState]:
     """All restarts and steps of one attack, folded into a best state per goal (unverified)."""
     attack_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, index)
+    seen = threat_model(attack.kind, model.apply_fn, model.params)  # what the attacker may see
 
     def one_restart(restart):
         restart_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(attack_keys, restart)
-        state = attack.init(attack.config, restart_keys, x0, y, eps, model, restart)
+        state = attack.init(attack.config, restart_keys, x0, y, eps, seen, restart)
 
         def body(carry, t):
             state, best = carry
-            state, cand = attack.step(attack.config, state, model)
-            c = candidate_state(cand.x, cand.logits, x0, y, norm, index, restart, t, goal_names)
+            state, cand = attack.step(attack.config, state, seen)
+            # Label-only attacks return no logits: the evaluator computes them, uncounted.
+            logits = model.logits(cand.x) if cand.logits is None else cand.logits
+            c = candidate_state(cand.x, logits, x0, y, norm, index, restart, t, goal_names)
             return (state, _fold_all(goal_names, eps, best, c)), None
 
         (state, best), _ = jax.lax.scan(
@@ -284,6 +288,7 @@ def _bundle(
         clean=clean.score,
         attack_success=jnp.stack(successes) if successes else jnp.zeros((0,) + y.shape, bool),
         gradients=jnp.full(y.shape, gradients, dtype=jnp.int32),
+        queries=jnp.full(y.shape, sum(a.queries for a in attacks), dtype=jnp.int32),
     )
 
 

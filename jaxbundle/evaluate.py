@@ -29,7 +29,7 @@ from jaxbundle import goals as goals_lib
 from jaxbundle import norms
 from jaxbundle.attacks.base import Attack
 from jaxbundle.bundler import BundleResult, bundle, check_attacks, check_inputs, goals_for
-from jaxbundle.metrics import Counts
+from jaxbundle.metrics import Counts, kind_success
 
 __all__ = ["Evaluation", "evaluate", "per_example_arrays", "default_mesh"]
 
@@ -42,9 +42,12 @@ class Evaluation(NamedTuple):
     attack_names: tuple[str, ...]
 
 
-def per_example_arrays(result: BundleResult, x0: jax.Array, eps: jax.Array) -> dict[str, jax.Array]:
+def per_example_arrays(
+    result: BundleResult, x0: jax.Array, eps: jax.Array, black_box: Sequence[bool] | None = None
+) -> dict[str, jax.Array]:
     """The per-example outputs kept for the report (``[B]`` arrays, and ``x_adv`` as uint8)."""
     mis = result.best["misclassify"]
+    by_white, by_black = kind_success(result.attack_success, black_box)
     out = {
         "clean_prediction": result.clean.prediction,
         "adversarial_prediction": mis.score.prediction,
@@ -55,6 +58,8 @@ def per_example_arrays(result: BundleResult, x0: jax.Array, eps: jax.Array) -> d
         "winning_step": mis.step,
         "attack_success": result.attack_success.T,  # [B, A]
         "gradients": result.gradients,
+        "queries": result.queries,
+        "black_box_only": by_black & ~by_white,  # only a black-box attack fooled it
         "x_adv": jnp.round(mis.x * 255).astype(jnp.uint8),
     }
     if "max_confidence" in result.best:
@@ -155,6 +160,7 @@ def evaluate(
     total = data_lib.num_batches(n, batch_size)
     key = jax.random.key(seed)
     names = tuple(a.name for a in attacks)
+    black_box = tuple(a.black_box for a in attacks)
     counts = Counts.empty(len(attacks))
     chunks: dict[str, list[np.ndarray]] = {}
     start = 0
@@ -189,10 +195,10 @@ def evaluate(
             example_id=bid, quantize=quantize, unroll=unroll, restart_mode=restart_mode,
             validate=False,
         )
-        counts = counts.merge(Counts.from_result(result, bmask, eps_value))
+        counts = counts.merge(Counts.from_result(result, bmask, eps_value, black_box))
         eps_b = jnp.full(by.shape, eps_value, jnp.float32)
         real = np.asarray(batch.mask)
-        for k, v in per_example_arrays(result, bx, eps_b).items():
+        for k, v in per_example_arrays(result, bx, eps_b, black_box).items():
             chunks.setdefault(k, []).append(np.asarray(v)[real])
         if ckpt_path is not None:
             state = {f"counts_{f}": np.asarray(v) for f, v in zip(Counts._fields, counts)}
@@ -205,6 +211,6 @@ def evaluate(
 
     per_example = {k: np.concatenate(v) for k, v in chunks.items()}
     per_example["label"] = y
-    metrics = counts.compute(names)
+    metrics = counts.compute(names, black_box)
     metrics.update(eps=eps_value, norm=norm, seed=seed, goals=list(goal_names))
     return Evaluation(metrics=metrics, per_example=per_example, attack_names=names)

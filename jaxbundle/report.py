@@ -16,6 +16,9 @@ Schema of ``report.json`` (version 1)::
           "wat": float,                    # lowest single-attack robust accuracy
           "wat_attack": "<attack>",
           "confident_failure_rate": {"<threshold>": float},  # percent
+          "white_box_robust_accuracy": float | null,  # bundle of the white-box attacks alone
+          "black_box_robust_accuracy": float | null,  # bundle of the black-box attacks alone
+          "black_box_only": int,           # examples only a black-box attack fooled (masking?)
           "eps": float, "norm": str, "seed": int, "goals": [str],
           "per_example": "<model>.npz",
           "seconds": float
@@ -27,6 +30,7 @@ Each ``<model>.npz`` holds arrays of length ``n_examples``: ``label``, ``clean_p
 ``adversarial_prediction``, ``success`` (bool, verified), ``distortion`` (of the reported
 adversarial image), ``winning_attack`` (index into ``attack_names``; -1 = the clean image),
 ``winning_restart``, ``winning_step``, ``attack_success`` (``[n, A]``), ``gradients``,
+``queries`` (black-box model queries), ``black_box_only`` (bool: fooled only by black-box attacks),
 ``x_adv`` (uint8 adversarial images), ``max_wrong_confidence`` and ``min_distortion``
 (``inf`` where no misclassified candidate was found), and ``attack_names``.
 """
@@ -68,6 +72,11 @@ def table(model_name: str, metrics: dict) -> Table:
     for name, acc in metrics["mat"].items():
         t.add_row(f"MAT  {name}", _pct(acc), _pct(rr(acc)))
     t.add_row(f"WAT  ({metrics['wat_attack']})", _pct(metrics["wat"]), _pct(rr(metrics["wat"])))
+    white, black = metrics.get("white_box_robust_accuracy"), metrics.get("black_box_robust_accuracy")
+    if white is not None and black is not None:
+        t.add_row("white-box bundled", _pct(white), _pct(rr(white)))
+        t.add_row("black-box bundled", _pct(black), _pct(rr(black)))
+        t.add_row("fooled by black-box only", str(metrics["black_box_only"]), "")
     t.add_row(
         "[bold]bundled robust[/bold]",
         f"[bold]{_pct(metrics['robust_accuracy'])}[/bold]",

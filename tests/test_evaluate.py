@@ -137,8 +137,9 @@ counts_strategy = st.builds(
         n=jnp.int32(v[0]), clean_correct=jnp.int32(v[1]), robust_correct=jnp.int32(v[2]),
         attack_correct=jnp.asarray(v[3:5], jnp.int32),
         confident_failures=jnp.asarray(v[5:9], jnp.int32),
+        kind_correct=jnp.asarray(v[9:11], jnp.int32), black_box_only=jnp.int32(v[11]),
     ),
-    st.lists(st.integers(0, 10_000), min_size=9, max_size=9),
+    st.lists(st.integers(0, 10_000), min_size=12, max_size=12),
 )
 
 
@@ -172,8 +173,14 @@ def test_hand_computed_figures():
     c = Counts(
         n=jnp.int32(10), clean_correct=jnp.int32(8), robust_correct=jnp.int32(2),
         attack_correct=jnp.asarray([6, 4], jnp.int32), confident_failures=jnp.asarray([5, 3, 1, 0], jnp.int32),
+        kind_correct=jnp.asarray([6, 4], jnp.int32), black_box_only=jnp.int32(0),
     )
     f = c.compute(["a", "b"])
+    assert f["white_box_robust_accuracy"] == 60.0 and f["black_box_robust_accuracy"] is None
+    g = c._replace(kind_correct=jnp.asarray([6, 3], jnp.int32), black_box_only=jnp.int32(1))
+    g = g.compute(["a", "b"], black_box=[False, True])
+    assert g["white_box_robust_accuracy"] == 60.0 and g["black_box_robust_accuracy"] == 30.0
+    assert g["black_box_only"] == 1
     assert f["clean_accuracy"] == 80.0 and f["robust_accuracy"] == 20.0
     assert f["relative_robustness"] == 25.0
     assert f["mat"] == {"a": 60.0, "b": 40.0} and f["wat"] == 40.0 and f["wat_attack"] == "b"

@@ -21,8 +21,15 @@ Restarts are a ``vmap`` axis and steps a ``lax.scan`` in the bundler, never insi
 Configuration is a hashable ``NamedTuple`` so that an :class:`Attack` built twice with the same
 arguments compares equal and reuses the compiled program.
 
-``model`` is what the threat model lets the attack see. White-box attacks get a
-:class:`WhiteBoxModel` (logits and gradients).
+``model`` is what the threat model lets the attack see, chosen by the bundler from
+``Attack.kind``: white-box attacks get a :class:`WhiteBoxModel` (logits and gradients),
+score-based attacks a :class:`ScoreOracle` (``logits(x)``, no gradients), decision-based
+attacks a :class:`LabelOracle` (``label(x)`` only). Oracles hold the model in a closure and
+expose nothing else. Every oracle call on a batch is one query per example; an attack declares
+its exact query count (``init_queries`` + ``queries_per_step`` per step), which is a hard
+budget because the program is static. A decision-based attack cannot see logits, so its
+candidates carry ``logits=None`` and the bundler (the evaluator, not the attacker) computes
+them for scoring.
 """
 
 from __future__ import annotations
@@ -36,6 +43,9 @@ __all__ = [
     "KINDS",
     "Candidate",
     "WhiteBoxModel",
+    "ScoreOracle",
+    "LabelOracle",
+    "threat_model",
     "Attack",
     "InitFn",
     "StepFn",
@@ -49,7 +59,44 @@ class Candidate(NamedTuple):
     """An adversarial candidate and the model's logits on it."""
 
     x: jax.Array  # [B, ...] image in the input box
-    logits: jax.Array  # [B, K]
+    logits: jax.Array | None  # [B, K]; None when the attack saw labels only
+
+
+class ScoreOracle:
+    """What a score-based attacker sees: the logits of a batch, without gradients."""
+
+    __slots__ = ("_fn",)
+
+    def __init__(self, apply_fn: Callable[[Any, jax.Array], jax.Array], params: Any):
+        self._fn = lambda x: jax.lax.stop_gradient(apply_fn(params, x).astype(jnp.float32))
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """Logits ``[B, K]`` for images ``[B, ...]``; one query per example."""
+        return self._fn(jax.lax.stop_gradient(x))
+
+
+class LabelOracle:
+    """What a decision-based attacker sees: the predicted label of each image."""
+
+    __slots__ = ("_fn",)
+
+    def __init__(self, apply_fn: Callable[[Any, jax.Array], jax.Array], params: Any):
+        self._fn = lambda x: jnp.argmax(
+            jax.lax.stop_gradient(apply_fn(params, x)), axis=-1
+        ).astype(jnp.int32)
+
+    def label(self, x: jax.Array) -> jax.Array:
+        """Predicted labels ``[B]`` (int32) for images ``[B, ...]``; one query per example."""
+        return self._fn(jax.lax.stop_gradient(x))
+
+
+def threat_model(kind: str, apply_fn: Callable[[Any, jax.Array], jax.Array], params: Any):
+    """The model object an attack of ``kind`` receives."""
+    if kind == "score-based":
+        return ScoreOracle(apply_fn, params)
+    if kind == "decision-based":
+        return LabelOracle(apply_fn, params)
+    return WhiteBoxModel(apply_fn, params)
 
 
 class WhiteBoxModel(NamedTuple):
@@ -112,6 +159,8 @@ class Attack(NamedTuple):
       gradients_per_step: gradient evaluations one step spends on one example.
       init, step: the pure functions described in the module docstring.
       config: the static, hashable hyper-parameters passed to ``init`` and ``step``.
+      init_queries, queries_per_step: model queries (oracle calls per example) of ``init``
+        and of one step, for black-box attacks; 0 for white-box ones.
       goal: the goal its candidates are made for: ``"misclassify"`` for fixed-budget attacks,
         whose iterates stay inside the eps ball, or ``"min_norm"`` for minimum-norm attacks,
         which ignore eps and look for the smallest adversarial perturbation (the bundler then
@@ -128,11 +177,22 @@ class Attack(NamedTuple):
     step: StepFn
     config: Any
     goal: str = "misclassify"
+    init_queries: int = 0
+    queries_per_step: int = 0
 
     @property
     def gradients(self) -> int:
         """Gradient evaluations the attack spends on one example, all restarts included."""
         return self.num_steps * self.num_restarts * self.gradients_per_step
+
+    @property
+    def queries(self) -> int:
+        """Model queries the attack spends on one example, all restarts included."""
+        return self.num_restarts * (self.init_queries + self.num_steps * self.queries_per_step)
+
+    @property
+    def black_box(self) -> bool:
+        return self.kind in ("score-based", "decision-based")
 
     def rename(self, name: str) -> "Attack":
         """The same attack under another name (names must be unique within a bundle)."""
