@@ -16,6 +16,8 @@ from jaxbundle.attacks.deepfool import deepfool
 from jaxbundle.attacks.fgsm import fgsm
 from jaxbundle.attacks.fmn import fmn
 from jaxbundle.attacks.pgd import pgd
+from jaxbundle.attacks.rays import rays
+from jaxbundle.attacks.spsa import spsa
 
 __all__ = [
     "Attack",
@@ -29,6 +31,8 @@ __all__ = [
     "cw",
     "deepfool",
     "fmn",
+    "spsa",
+    "rays",
     "AttackInfo",
     "CATALOGUE",
 ]
@@ -95,5 +99,20 @@ CATALOGUE: tuple[AttackInfo, ...] = (
         "min_norm",
         "Moosavi-Dezfooli, Fawzi & Frossard 2016, DeepFool: a simple and accurate method to "
         "fool deep neural networks",
+    ),
+    AttackInfo(
+        "spsa",
+        ("linf",),
+        "score-based",
+        "misclassify",
+        "Uesato, O'Donoghue, van den Oord & Kohli 2018, Adversarial Risk and the Dangers of "
+        "Evaluating Against Weak Attacks",
+    ),
+    AttackInfo(
+        "rays",
+        ("linf",),
+        "decision-based",
+        "min_norm",
+        "Chen & Gu 2020, RayS: A Ray Searching Method for Hard-label Adversarial Attack",
     ),
 )

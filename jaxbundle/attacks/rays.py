@@ -1,0 +1,225 @@
+"""RayS (Chen & Gu 2020, "RayS: A Ray Searching Method for Hard-label Adversarial Attack"): a
+decision-based, untargeted, minimum-norm Linf attack.
+
+The attacker sees predicted labels only (a :class:`~jaxbundle.attacks.base.LabelOracle`). It
+searches over ray directions ``d in {-1, +1}^D``; the radius of a direction is the smallest
+``r`` with ``label(x0 + r d) != y`` (images clipped to the box), and RayS minimises it:
+
+* start from ``d = (1, ..., 1)``;
+* hierarchical block flips: at stage ``s`` the flattened input is cut into ``2^s`` contiguous
+  blocks of (nearly) equal size, visited in order; the trial direction flips the signs of one
+  block of the best direction. After the last block the stage grows (blocks halve) until they
+  hold one pixel each, then it starts again at ``s = 0`` (the whole vector);
+* a trial is checked with ONE query just below the best radius; if it is not adversarial
+  there it cannot improve and is rejected (the paper's fast check); if it is, it becomes the
+  best direction and a binary search refines its radius.
+
+Pixel grid. Success is judged on quantised images (:func:`jaxbundle.norms.quantize`): the
+image for radius level ``k`` is ``quantize(clip(x0 + k/255 d), x0)``, which for 8-bit ``x0``
+has Linf distortion ``k/255`` (less where the box clips). Radii are therefore integer levels
+``k in [0, 255]``, the check is at ``k_best - 1`` (the grid version of "strictly better than
+``r_best``") and the binary search bisects levels until ``hi - lo = 1``: at most 8 queries
+(``ceil(log2 256)``), capped by ``search_steps`` (default 8, so the search is exact). Before any
+adversarial direction is known, ``k_best = 256`` and trials are checked at ``k = 255``
+(radius 1: the corner of the box in direction ``d``).
+
+Queries (exact, per example). The static program spends one query per step: a step is either
+a check (of the next block flip) or one bisection of the running search, chosen per example
+with ``where``; ``init`` spends one query on the start direction at radius 1. So
+``init_queries = 1``, ``queries_per_step = 1`` and ``queries = restarts * (1 + steps)``; the
+default ``steps=10000`` is the paper's query budget. A rejected trial costs 1 query and an
+accepted one ``1 + (at most search_steps)``, as in the paper; nothing is wasted on padding.
+
+Candidates: every queried image, ``Candidate(x_query, None)`` (the bundler computes logits
+itself, uncounted); ``state.x`` is the best adversarial image so far (``x0`` before one is
+found). The bundler's min-norm goal keeps the smallest adversarial candidate, so an example's
+distortion is its best radius; the misclassify goal counts those within eps.
+
+Details and deviations:
+
+* Radii are pixel levels, not the paper's continuous binary search to a tolerance (see above).
+* Blocks split the flattened input (all channels) at ``floor(j D / n)`` with ``n = min(2^s, D)``
+  blocks at stage ``s = 0..ceil(log2 D)``: the last stage flips single pixels.
+* Restart ``r > 0`` starts from a random sign vector instead of the all-ones direction.
+* No early stop at ``r_best <= eps`` (the paper's robust-accuracy mode): the program is static
+  and the min-norm goal wants the smallest radius anyway.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxbundle import norms
+from jaxbundle.attacks.base import Attack, Candidate, LabelOracle
+
+__all__ = ["RaySConfig", "RaySState", "ray_image", "flip_mask", "init", "step", "rays"]
+
+LEVELS = norms.PIXEL_LEVELS  # radius levels: k / 255
+NONE_FOUND = LEVELS + 1  # k_best before any adversarial direction is known
+
+
+class RaySConfig(NamedTuple):
+    num_steps: int  # queries after init (one per step)
+    search_steps: int  # most bisections per accepted trial (8 makes the search exact)
+
+
+class RaySState(NamedTuple):
+    x: jax.Array  # [B, ...] best adversarial image so far (quantised), x0 before one is found
+    x0: jax.Array  # [B, ...] clean images
+    y: jax.Array  # [B] labels
+    d: jax.Array  # [B, ...] best direction, +-1 per pixel
+    k_best: jax.Array  # int32 [B] best radius in pixel levels; NONE_FOUND = none yet
+    searching: jax.Array  # bool [B]: bisecting the radius of d (else: checking block flips)
+    lo: jax.Array  # int32 [B] bisection: largest level known not adversarial along d
+    iters: jax.Array  # int32 [B] bisections done in the running search
+    stage: jax.Array  # int32 [B] block stage s: 2^s blocks
+    block: jax.Array  # int32 [B] index of the next block to flip, in [0, min(2^s, D))
+
+
+def ray_image(x0: jax.Array, d: jax.Array, k: jax.Array) -> jax.Array:
+    """``quantize(clip(x0 + k/255 d), x0)`` per example: the image at radius level ``k [B]``."""
+    r = k.astype(x0.dtype) / LEVELS
+    return norms.quantize(norms.project_box(x0 + norms.per_example(r, d) * d), x0)
+
+
+def max_stage(dim: int) -> int:
+    """The last stage: the smallest ``s`` with ``2^s >= dim`` (single pixels)."""
+    return int(math.ceil(math.log2(dim))) if dim > 1 else 0
+
+
+def num_blocks(stage: jax.Array, dim: int) -> jax.Array:
+    """Blocks at ``stage``: ``min(2^s, D)`` (the last stage has one pixel per block)."""
+    return jnp.minimum(jnp.left_shift(1, stage), dim)
+
+
+def flip_mask(shape: tuple[int, ...], stage: jax.Array, block: jax.Array) -> jax.Array:
+    """``[B, *shape]`` signs: -1 on block ``block`` of the ``n = min(2^s, D)`` blocks of the
+    flat input.
+
+    Block ``j`` covers flat indices ``[floor(j D / n), floor((j + 1) D / n))``, never empty. float32
+    is exact here: ``D / n`` is ``D`` over a power of two or 1, and the products stay below 2^24.
+    """
+    dim = math.prod(shape)
+    size = jnp.float32(dim) / num_blocks(stage, dim).astype(jnp.float32)  # [B], >= 1
+    start = jnp.floor(block.astype(jnp.float32) * size)
+    end = jnp.floor((block + 1).astype(jnp.float32) * size)
+    i = jnp.arange(dim, dtype=jnp.float32)[None, :]
+    inside = (i >= start[:, None]) & (i < end[:, None])
+    return jnp.where(inside, -1.0, 1.0).reshape((-1,) + shape)
+
+
+def _advance(stage: jax.Array, block: jax.Array, dim: int) -> tuple[jax.Array, jax.Array]:
+    """The next (stage, block) of the hierarchical schedule."""
+    block = block + 1
+    next_stage = block >= num_blocks(stage, dim)
+    stage = jnp.where(next_stage, stage + 1, stage)
+    stage = jnp.where(stage > max_stage(dim), 0, stage)
+    return stage, jnp.where(next_stage, 0, block)
+
+
+def init(config: RaySConfig, keys, x0, y, eps, model: LabelOracle, restart) -> RaySState:
+    del config, eps
+    batch = x0.shape[0]
+    ones = jnp.ones_like(x0)
+    random_signs = jax.vmap(lambda k: jax.random.rademacher(k, x0.shape[1:], dtype=x0.dtype))(keys)
+    d = jnp.where(restart > 0, random_signs, ones)
+    full = jnp.full((batch,), LEVELS, jnp.int32)
+    x_far = ray_image(x0, d, full)
+    adv = model.label(x_far) != y  # 1 query: is the box corner along d adversarial?
+    zeros = jnp.zeros((batch,), jnp.int32)
+    return RaySState(
+        x=jnp.where(norms.per_example(adv, x0), x_far, x0),
+        x0=x0,
+        y=y,
+        d=d,
+        k_best=jnp.where(adv, LEVELS, NONE_FOUND).astype(jnp.int32),
+        searching=adv,
+        lo=zeros,
+        iters=zeros,
+        stage=zeros,
+        block=zeros,
+    )
+
+
+def step(config: RaySConfig, state: RaySState, model: LabelOracle):
+    shape = state.x0.shape[1:]
+    search = state.searching
+    # Check mode: the best direction with one block flipped, just below the best radius.
+    trial = state.d * flip_mask(shape, state.stage, state.block)
+    check_level = jnp.clip(state.k_best - 1, 0, LEVELS)
+    # Search mode: bisect (lo, k_best) along the best direction.
+    mid = (state.lo + state.k_best) // 2
+    direction = jnp.where(norms.per_example(search, trial), state.d, trial)
+    level = jnp.where(search, mid, check_level)
+    x_query = ray_image(state.x0, direction, level)
+    adv = model.label(x_query) != state.y  # the step's one query
+
+    # Check: an adversarial trial becomes the best direction and starts a search.
+    accepted = ~search & adv
+    # Search: adversarial mid lowers k_best, else raises lo.
+    improved = accepted | (search & adv)
+    k_best = jnp.where(improved, level, state.k_best)
+    lo = jnp.where(accepted, 0, jnp.where(search & ~adv, mid, state.lo))
+    iters = jnp.where(accepted, 0, state.iters + search.astype(jnp.int32))
+    still = (k_best - lo > 1) & (iters < config.search_steps)
+    searching = jnp.where(search | accepted, still, False)
+    # The schedule moves on after a rejected trial or a finished search.
+    move = (~search & ~adv) | ((search | accepted) & ~searching)
+    stage, block = _advance(state.stage, state.block, math.prod(shape))
+    new_state = state._replace(
+        x=jnp.where(norms.per_example(improved, x_query), x_query, state.x),
+        d=jnp.where(norms.per_example(accepted, trial), trial, state.d),
+        k_best=k_best,
+        searching=searching,
+        lo=lo,
+        iters=iters,
+        stage=jnp.where(move, stage, state.stage),
+        block=jnp.where(move, block, state.block),
+    )
+    return new_state, Candidate(x_query, None)
+
+
+def rays(
+    steps: int = 10000,
+    search_steps: int = 8,
+    restarts: int = 1,
+    name: str | None = None,
+) -> Attack:
+    """RayS: decision-based minimum-norm Linf attack by hierarchical sign-direction search.
+
+    Args:
+      steps: queries after init, one per step (checks and bisections). Default 10000.
+      search_steps: most bisections of the radius after an accepted trial. Default 8, which
+        makes the search on the 256 pixel levels exact.
+      restarts: independent runs; restart 0 starts from the all-ones direction, the others
+        from random sign vectors.
+      name: report name; default ``"rays"``.
+
+    Returns:
+      A decision-based :class:`~jaxbundle.attacks.base.Attack` with ``goal="min_norm"``,
+      ``init_queries=1`` and ``queries_per_step=1``.
+    """
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"rays needs steps >= 1, got {steps!r}")
+    if not isinstance(search_steps, int) or search_steps < 1:
+        raise ValueError(f"rays needs search_steps >= 1, got {search_steps!r}")
+    if not isinstance(restarts, int) or restarts < 1:
+        raise ValueError(f"rays needs restarts >= 1, got {restarts!r}")
+    return Attack(
+        name=name or "rays",
+        kind="decision-based",
+        norm="linf",
+        num_steps=steps,
+        num_restarts=restarts,
+        gradients_per_step=0,
+        init=init,
+        step=step,
+        config=RaySConfig(steps, search_steps),
+        goal="min_norm",
+        init_queries=1,
+        queries_per_step=1,
+    )
