@@ -62,6 +62,8 @@ class BundleResult(NamedTuple):
     best: dict[str, BestState]  # goal name -> verified best state
     clean: goals_lib.Score  # the clean image's score
     attack_success: jax.Array  # bool [A, B]: each attack alone (misclassify goal, verified)
+    attack_distortion: jax.Array  # [A, B]: each attack's smallest verified adversarial
+    #   distortion (min-norm goal if tracked, else its success within eps; inf: none)
     gradients: jax.Array  # int32 [B]: gradient evaluations spent per example
     queries: jax.Array  # int32 [B]: black-box model queries spent per example
 
@@ -272,7 +274,7 @@ def _bundle(
     clean = candidate_state(x, model.logits(x), x, y, norm, -1, 0, 0)
     start = {g: clean for g in goal_names}  # every attack starts alone from the clean image
     best = start
-    successes = []
+    successes, distortions = [], []
     for index, attack in enumerate(attacks):
         found = _run_attack(
             attack, index, model, keys, x, y, eps, norm, goal_names, start, unroll, restart_mode
@@ -280,16 +282,30 @@ def _bundle(
         found = {g: verify(found[g], g, model, x, y, eps, norm, quantize) for g in goal_names}
         found = _cross_fold(goal_names, eps, found)
         successes.append(goals_lib.success("misclassify", found["misclassify"].score, eps))
+        distortions.append(_smallest_distortion(found, eps))
         best = _fold_each(goal_names, eps, best, found)
 
     gradients = sum(a.gradients for a in attacks)
     return BundleResult(
         best=best,
         clean=clean.score,
-        attack_success=jnp.stack(successes) if successes else jnp.zeros((0,) + y.shape, bool),
+        attack_success=jnp.stack(successes),
+        attack_distortion=jnp.stack(distortions),
         gradients=jnp.full(y.shape, gradients, dtype=jnp.int32),
         queries=jnp.full(y.shape, sum(a.queries for a in attacks), dtype=jnp.int32),
     )
+
+
+def _smallest_distortion(found: dict[str, BestState], eps: jax.Array) -> jax.Array:
+    """An attack's smallest verified adversarial distortion per example (inf: none found).
+
+    From the min-norm goal when it is tracked, else from the misclassify goal's success.
+    """
+    if "min_norm" in found:
+        s = found["min_norm"].score
+        return jnp.where(s.misclassified, s.distortion, jnp.inf)
+    s = found["misclassify"].score
+    return jnp.where(goals_lib.success("misclassify", s, eps), s.distortion, jnp.inf)
 
 
 def _cross_fold(

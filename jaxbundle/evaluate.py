@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxbundle import curves
 from jaxbundle import data as data_lib
 from jaxbundle import goals as goals_lib
 from jaxbundle import norms
@@ -31,7 +32,7 @@ from jaxbundle.attacks.base import Attack
 from jaxbundle.bundler import BundleResult, bundle, check_attacks, check_inputs, goals_for
 from jaxbundle.metrics import Counts, kind_success
 
-__all__ = ["Evaluation", "evaluate", "per_example_arrays", "default_mesh"]
+__all__ = ["Evaluation", "evaluate", "per_example_arrays", "curve_metrics", "default_mesh"]
 
 
 class Evaluation(NamedTuple):
@@ -57,6 +58,11 @@ def per_example_arrays(
         "winning_restart": mis.restart,
         "winning_step": mis.step,
         "attack_success": result.attack_success.T,  # [B, A]
+        "attack_distortion": result.attack_distortion.T,  # [B, A], inf: not fooled
+        # A misclassified clean image's top probability is its highest wrong-class one.
+        "clean_wrong_confidence": jnp.where(
+            result.clean.misclassified, result.clean.confidence, 0.0
+        ),
         "gradients": result.gradients,
         "queries": result.queries,
         "black_box_only": by_black & ~by_white,  # only a black-box attack fooled it
@@ -68,6 +74,40 @@ def per_example_arrays(
     if "min_norm" in result.best:
         mn = result.best["min_norm"].score
         out["min_distortion"] = jnp.where(mn.misclassified, mn.distortion, jnp.inf)
+    return out
+
+
+def curve_metrics(per_example: dict[str, np.ndarray], attacks: Sequence[Attack], norm: str) -> dict:
+    """P(D) and D1/2 (white-box, black-box, bundled), the failure-rate curve, per-attack
+    contributions and robust accuracy vs compute, from the exact per-example values."""
+    ok = per_example["clean_prediction"] == per_example["label"]
+    dist = per_example["attack_distortion"]  # [n, A]
+    black = np.asarray([a.black_box for a in attacks], bool)
+    kinds = {"white_box": ~black, "black_box": black, "bundled": np.ones_like(black)}
+    grid = curves.distortion_grid(norm)
+    oc, half = {"grid": grid.tolist()}, {}
+    for kind, members in kinds.items():
+        if not members.any():
+            continue
+        d = np.min(dist[:, members], axis=1)
+        per_example[f"min_distortion_{kind}"] = d
+        oc[kind] = curves.operating_characteristic(d, ok, grid).tolist()
+        half[kind] = curves.half_distortion(d, ok)
+    names = [a.name for a in attacks]
+    out = {
+        "operating_characteristic": oc,
+        "half_distortion": half,
+        "attack_contribution": curves.attack_contribution(
+            per_example["attack_success"], per_example["winning_attack"], ok, names
+        ),
+        "robustness_vs_compute": curves.robustness_vs_compute(
+            per_example["attack_success"], ok, [a.gradients + a.queries for a in attacks]
+        ),
+    }
+    if "max_wrong_confidence" in per_example:
+        out["failure_rate_curve"] = curves.failure_rate_curve(
+            per_example["max_wrong_confidence"], per_example["clean_wrong_confidence"]
+        )
     return out
 
 
@@ -213,4 +253,5 @@ def evaluate(
     per_example["label"] = y
     metrics = counts.compute(names, black_box)
     metrics.update(eps=eps_value, norm=norm, seed=seed, goals=list(goal_names))
+    metrics.update(curve_metrics(per_example, attacks, norm))
     return Evaluation(metrics=metrics, per_example=per_example, attack_names=names)

@@ -109,8 +109,20 @@ def write_report(
     }
     path = os.path.join(out_dir, "report.json")
     with open(path, "w") as f:
-        json.dump(report, f, indent=2, allow_nan=False, default=_json_default)
+        json.dump(_explicit_inf(report), f, indent=2, allow_nan=False, default=_json_default)
     return path
+
+
+def _explicit_inf(value: Any) -> Any:
+    """JSON has no infinity: an infinite float (e.g. D1/2 when under half are fooled) is
+    written as the string ``"inf"``; NaN is never produced."""
+    if isinstance(value, dict):
+        return {k: _explicit_inf(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_explicit_inf(v) for v in value]
+    if isinstance(value, (float, np.floating)) and np.isinf(value):
+        return "inf" if value > 0 else "-inf"
+    return value
 
 
 def _json_default(value: Any) -> Any:

@@ -1,0 +1,425 @@
+"""Square Attack (Andriushchenko, Croce, Flammarion & Hein 2020, "Square Attack: a
+query-efficient black-box adversarial attack via random search", ECCV).
+
+A score-based attack: it sees only the logits (one oracle query per example per call) and
+minimises the paper's margin loss ``L(x) = z_y - max_{j != y} z_j`` by random search; an
+example is fooled once ``L < 0``. Untargeted, fixed budget, Linf or L2 ball of radius eps,
+always inside the box ``[0, 1]``.
+
+Initialisation (1 query, the initial point):
+
+* Linf: vertical stripes, ``x0 + eps * s`` with one random sign per column and channel.
+* L2: the paper's grid of ``q x q`` blocks (``q = max(min(h, w) // 5, 1)``, the grid centred
+  in the image) each carrying the pseudo-Gaussian pattern ``M(q)`` (below, randomly
+  transposed) with a random sign per block and channel, rescaled to L2 norm eps.
+
+Both are clipped to the box. Then, at every step ``t`` (1 query each):
+
+1. The fraction of pixels ``p`` follows the paper's schedule: ``p_init`` halved once at each
+   of the iterations {10, 50, 200, 500, 1000, 2000, 4000, 6000, 8000}, rescaled to the
+   attack's number of steps as if it were 10,000 (iteration ``floor(t * 10000 / steps)``).
+   The square side is ``s = round(sqrt(p * h * w))``, at least 1 and at most
+   ``min(h, w) - 1`` (Linf), or odd, at least 3 and at most ``min(h, w)`` (L2), as in the
+   authors' code (images smaller than 3 pixels get the largest odd side that fits). ``s`` depends on the step counter only, so it is a traced scalar; the
+   window of side ``s`` sits at a random position per example and step, built from iota
+   comparisons against the per-example offsets (no dynamic shapes).
+2. Linf: the window of the perturbation is set to ``+-eps`` with one random sign per channel.
+   A proposal that would leave the image unchanged (the window already holds that value)
+   is never drawn: the sign pattern is sampled uniformly among those that change something
+   (the authors resample in a loop; this is the same distribution without the loop).
+3. L2: a second random window ``W2`` of the same side gives up its perturbation to the first
+   one ``W1``: per channel, ``W1`` gets ``M(s) * sign + delta_W1 / ||delta_W1||`` rescaled to
+   norm ``sqrt(max(eps^2 - ||delta||^2, 0) / c + ||delta_{W1 u W2}||^2)``, ``W2 \\ W1`` is
+   zeroed, and the whole perturbation is rescaled to norm eps and clipped to the box.
+   ``M(s)`` is the paper's pseudo-Gaussian square: its top ``s // 2`` rows hold concentric
+   rectangles with weight ``sum_{k >= d} 1 / (k + 1)^2`` at Chebyshev distance ``d`` from
+   their centre, the bottom rows the same pattern negated, each half of unit norm, the whole
+   of unit norm and transposed with probability 1/2.
+4. Accept rule, per example: the proposal replaces ``x`` only if its margin loss is lower.
+   An example already fooled (``L < 0``) stops changing: its proposal is ``x`` itself.
+
+The step's candidate is the evaluated proposal with the logits the oracle returned; the
+initial point is the final iterate whenever no proposal beat it, and the bundler evaluates
+the final iterate, so every point that matters reaches the bundler without extra queries.
+
+Defaults: 5,000 queries (init + 4,999 steps), ``p_init = 0.8`` (Linf) and ``0.1`` (L2), the
+values of the paper's experiments. One restart (the key of a bundle restart only changes the
+randomness). Square positions use offsets in ``[0, h - s]`` inclusive.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxbundle import losses, norms
+from jaxbundle.attacks.base import Attack, Candidate, ScoreOracle
+
+__all__ = [
+    "SquareConfig",
+    "SquareState",
+    "SCHEDULE",
+    "DEFAULT_P_INIT",
+    "margin_loss",
+    "fraction",
+    "side",
+    "window_mask",
+    "pseudo_gaussian",
+    "linf_init",
+    "l2_init",
+    "init",
+    "step",
+    "square",
+]
+
+# Iterations (of a 10,000-iteration run) after which p is halved.
+SCHEDULE = (10, 50, 200, 500, 1000, 2000, 4000, 6000, 8000)
+SCHEDULE_LENGTH = 10_000
+DEFAULT_P_INIT = {"linf": 0.8, "l2": 0.1}
+_SAME = 1e-7  # two pixel values closer than this count as equal (no change)
+_MAX_PATTERN_CHANNELS = 4  # up to 2**4 sign patterns enumerated; more channels: plain draws
+
+
+class SquareConfig(NamedTuple):
+    norm: str  # "linf" or "l2"
+    num_steps: int  # iterations after init (queries - 1)
+    p_init: float  # initial fraction of pixels in the square
+
+
+class SquareState(NamedTuple):
+    x: jax.Array  # [B, ...] current iterate, in the box and the eps ball
+    x0: jax.Array  # [B, ...] clean images
+    y: jax.Array  # [B] labels
+    eps: jax.Array  # [B] radius
+    loss: jax.Array  # [B] margin loss z_y - max_{j != y} z_j of x (< 0: fooled)
+    key: jax.Array  # [B] PRNG keys, one per example
+    t: jax.Array  # int32 [B] step counter (the same for every example)
+
+
+# ---------------------------------------------------------------------------------------------
+# Small pure helpers.
+
+
+def margin_loss(logits: jax.Array, y: jax.Array) -> jax.Array:
+    """The paper's loss ``z_y - max_{j != y} z_j`` ``[B]``, minimised; < 0 means fooled."""
+    return -losses.margin(logits, y)
+
+
+def _hwc(shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """(height, width, channels) of one example of shape ``shape`` (without the batch axis).
+
+    ``[H, W, C]`` images (channels last, as everywhere in jaxbundle), ``[H, W]`` greyscale
+    images, or flat ``[D]`` vectors (seen as a 1 x D image).
+    """
+    if len(shape) == 3:
+        return shape
+    if len(shape) == 2:
+        return (shape[0], shape[1], 1)
+    if len(shape) == 1:
+        return (1, shape[0], 1)
+    raise ValueError(f"square expects images [B, H, W, C], [B, H, W] or [B, D]; got {shape}")
+
+
+def fraction(t: jax.Array, num_steps: int, p_init: float) -> jax.Array:
+    """The fraction of pixels ``p`` at step ``t`` (0-based) of a run of ``num_steps`` steps.
+
+    ``p_init`` halved once for each threshold of :data:`SCHEDULE` below the step rescaled to
+    a 10,000-step run, ``floor(t * 10000 / num_steps)``.
+    """
+    it = (t.astype(jnp.int32) * SCHEDULE_LENGTH) // num_steps
+    halvings = sum((it > th).astype(jnp.int32) for th in SCHEDULE)
+    return jnp.float32(p_init) * jnp.exp2(-halvings.astype(jnp.float32))
+
+
+def side(p: jax.Array, h: int, w: int, norm: str) -> jax.Array:
+    """Square side ``round(sqrt(p * h * w))`` (int32), clamped as described in the module doc."""
+    s = jnp.round(jnp.sqrt(p * (h * w))).astype(jnp.int32)
+    if norm == "linf":
+        return jnp.clip(s, 1, max(min(h, w) - 1, 1))
+    s = jnp.maximum(s, 3)
+    s = s + (s % 2 == 0).astype(jnp.int32)
+    m = min(h, w)
+    return jnp.minimum(s, m if m % 2 else m - 1)
+
+
+def _offsets(key: jax.Array, s: jax.Array, h: int, w: int) -> tuple[jax.Array, jax.Array]:
+    """A uniform top-left corner in ``[0, h - s] x [0, w - s]`` for each example (``[B]``)."""
+
+    def one(k, side_):
+        kh, kw = jax.random.split(k)
+        oh = jax.random.randint(kh, (), 0, h - side_ + 1)
+        ow = jax.random.randint(kw, (), 0, w - side_ + 1)
+        return oh, ow
+
+    return jax.vmap(one)(key, s)
+
+
+def _local(oh: jax.Array, ow: jax.Array, h: int, w: int) -> tuple[jax.Array, jax.Array]:
+    """Row and column of every pixel relative to the corners ``(oh, ow)``: two ``[B, h, w]``."""
+    rows = jax.lax.broadcasted_iota(jnp.int32, (1, h, w), 1) - oh.reshape(-1, 1, 1)
+    cols = jax.lax.broadcasted_iota(jnp.int32, (1, h, w), 2) - ow.reshape(-1, 1, 1)
+    return rows, cols
+
+
+def window_mask(oh: jax.Array, ow: jax.Array, s: jax.Array, h: int, w: int) -> jax.Array:
+    """Boolean ``[B, h, w]``: the square of side ``s[b]`` with top-left corner ``(oh, ow)``."""
+    rows, cols = _local(oh, ow, h, w)
+    s3 = s.reshape(-1, 1, 1)
+    return (rows >= 0) & (rows < s3) & (cols >= 0) & (cols < s3)
+
+
+def _inv_square_cumsum(n: int) -> np.ndarray:
+    """``H[k] = sum_{m=1}^{k} 1 / m^2`` for ``k = 0..n`` (float32 table)."""
+    return np.concatenate([[0.0], np.cumsum(1.0 / np.arange(1, n + 1) ** 2)]).astype(np.float32)
+
+
+def _rectangles(i: jax.Array, j: jax.Array, a: jax.Array, b: jax.Array, table: jax.Array):
+    """Concentric-rectangle pattern of an ``a x b`` rectangle at local pixel ``(i, j)``.
+
+    Weight ``sum_{k=d}^{K-1} 1 / (k + 1)^2`` with ``d`` the Chebyshev distance to the centre
+    ``(a // 2, b // 2)`` and ``K = max(a // 2, b // 2) + 1``; zero outside the rectangle.
+    Returns the unnormalised values (same shape as ``i``).
+    """
+    inside = (i >= 0) & (i < a) & (j >= 0) & (j < b)
+    d = jnp.maximum(jnp.abs(i - a // 2), jnp.abs(j - b // 2))
+    big_k = jnp.maximum(a // 2, b // 2) + 1
+    top = table.shape[0] - 1
+    value = table[jnp.clip(big_k, 0, top)] - table[jnp.clip(d, 0, top)]
+    return jnp.where(inside, value, 0.0)
+
+
+def _unit(v: jax.Array) -> jax.Array:
+    """``v [B, h, w]`` divided by its per-example L2 norm (zero stays zero)."""
+    n = jnp.sqrt(jnp.sum(v * v, axis=(1, 2), keepdims=True))
+    return v / jnp.where(n > 0, n, 1.0)
+
+
+def pseudo_gaussian(
+    oh: jax.Array, ow: jax.Array, s: jax.Array, transpose: jax.Array, h: int, w: int
+) -> jax.Array:
+    """The paper's pseudo-Gaussian square ``M(s)`` placed at ``(oh, ow)``: ``[B, h, w]``.
+
+    Top ``s // 2`` rows: a rectangle pattern (positive); the other ``s - s // 2`` rows: the
+    same pattern negated; each half of unit norm, the whole of unit norm; transposed where
+    ``transpose`` (bool ``[B]``). Zero outside the square. ``s`` may be traced.
+    """
+    table = jnp.asarray(_inv_square_cumsum(max(h, w) + 2))
+    rows, cols = _local(oh, ow, h, w)
+    tr = transpose.reshape(-1, 1, 1)
+    i, j = jnp.where(tr, cols, rows), jnp.where(tr, rows, cols)
+    s3 = s.reshape(-1, 1, 1)
+    half = s3 // 2
+    upper = _unit(_rectangles(i, j, half, s3, table))
+    lower = _unit(_rectangles(i - half, j, s3 - half, s3, table))
+    return _unit(upper - lower)
+
+
+def _with_channels(v: jax.Array, x: jax.Array) -> jax.Array:
+    """``v [B, h, w, c]`` (or ``[B, h, w, 1]``) broadcast and reshaped like ``x``."""
+    h, w, c = _hwc(x.shape[1:])
+    return jnp.broadcast_to(v, (x.shape[0], h, w, c)).reshape(x.shape)
+
+
+def _split(key: jax.Array, num: int) -> jax.Array:
+    """``num`` fresh keys per example: ``[num, B]``."""
+    return jnp.moveaxis(jax.vmap(lambda k: jax.random.split(k, num))(key), 1, 0)
+
+
+def _signs(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """Random +-1 (float32) of ``shape`` per example: ``[B, *shape]``."""
+    return jax.vmap(lambda k: jax.random.rademacher(k, shape, dtype=jnp.float32))(key)
+
+
+# ---------------------------------------------------------------------------------------------
+# Initialisations.
+
+
+def linf_init(key: jax.Array, x0: jax.Array, eps: jax.Array) -> jax.Array:
+    """Vertical stripes: ``x0 + eps * sign`` with one sign per column and channel, clipped."""
+    h, w, c = _hwc(x0.shape[1:])
+    stripes = _with_channels(_signs(key, (1, w, c)), x0)
+    return norms.project_box(x0 + norms.per_example(eps, x0) * stripes)
+
+
+def _grid_layout(h: int, w: int) -> tuple[int, np.ndarray, np.ndarray, np.ndarray]:
+    """The L2 init's static block grid: block side, block id per pixel (-1: none), local i, j."""
+    q = max(min(h, w) // 5, 1)
+    nh, nw = h // q, w // q
+    top, left = (h - nh * q) // 2, (w - nw * q) // 2
+    r = np.arange(h)[:, None] - top
+    col = np.arange(w)[None, :] - left
+    inside = (r >= 0) & (r < nh * q) & (col >= 0) & (col < nw * q)
+    block = np.where(inside, (r // q) * nw + col // q, -1)
+    return q, block.astype(np.int32), (r % q) * np.ones_like(col), (col % q) * np.ones_like(r)
+
+
+def l2_init(key: jax.Array, x0: jax.Array, eps: jax.Array) -> jax.Array:
+    """The paper's L2 start: a grid of pseudo-Gaussian blocks with random signs, norm eps."""
+    h, w, c = _hwc(x0.shape[1:])
+    q, block, li, lj = _grid_layout(h, w)
+    nblocks = int(block.max()) + 1
+    k_sign, k_tr = _split(key, 2)
+    sign = _signs(k_sign, (nblocks, c))  # [B, nblocks, c]
+    transpose = jax.vmap(lambda k: jax.random.bernoulli(k, 0.5, (nblocks,)))(k_tr)
+    corner = jnp.zeros((1,), jnp.int32)
+    size = jnp.full((1,), q, jnp.int32)
+    pattern = pseudo_gaussian(corner, corner, size, jnp.zeros((1,), bool), q, q)[0]  # [q, q]
+    m = pattern[li, lj]  # [h, w]: the block pattern tiled (meaningless outside the grid)
+    mt = pattern.T[li, lj]
+    idx = jnp.asarray(np.maximum(block, 0))
+    tile = jnp.where(transpose[:, idx], mt[None], m[None])  # [B, h, w]
+    delta = tile[..., None] * sign[:, idx, :]  # [B, h, w, c]
+    delta = jnp.where(jnp.asarray(block >= 0)[None, :, :, None], delta, 0.0).reshape(x0.shape)
+    n = norms.norm(delta, "l2")
+    scale = eps / jnp.where(n > 0, n, 1.0)
+    return norms.project_box(x0 + norms.per_example(scale, delta) * delta)
+
+
+# ---------------------------------------------------------------------------------------------
+# Proposals.
+
+
+def _linf_proposal(key: jax.Array, state: SquareState, s: jax.Array) -> jax.Array:
+    """Sets a random square of the perturbation to +-eps (one sign per channel), clipped."""
+    x, x0 = state.x, state.x0
+    b = x.shape[0]
+    h, w, c = _hwc(x.shape[1:])
+    k_pos, k_sign = _split(key, 2)
+    oh, ow = _offsets(k_pos, s, h, w)
+    mask = window_mask(oh, ow, s, h, w)[..., None]  # [B, h, w, 1]
+    x4, x04 = x.reshape(b, h, w, c), x0.reshape(b, h, w, c)
+    e4 = state.eps.reshape(-1, 1, 1, 1)
+    if c <= _MAX_PATTERN_CHANNELS:
+        # Which sign on which channel leaves the window unchanged (the "no-op" proposals).
+        same = []
+        for sgn in (-1.0, 1.0):
+            moved = jnp.clip(x04 + sgn * e4, 0.0, 1.0)
+            same.append(jnp.all((jnp.abs(moved - x4) < _SAME) | ~mask, axis=(1, 2)))  # [B, c]
+        same = jnp.stack(same, axis=-1)  # [B, c, 2]: index 0 for -1, 1 for +1
+        bits = (np.arange(2**c)[:, None] >> np.arange(c)[None, :]) & 1  # [P, c]
+        unchanged = jnp.all(same[:, np.arange(c)[None, :], bits], axis=-1)  # [B, P]
+        allowed = ~unchanged | jnp.all(unchanged, axis=-1, keepdims=True)
+        logits = jnp.where(allowed, 0.0, -jnp.inf)
+        pattern = jax.vmap(jax.random.categorical)(k_sign, logits)  # [B]
+        sign = 2.0 * jnp.asarray(bits, jnp.float32)[pattern] - 1.0  # [B, c]
+    else:
+        sign = _signs(k_sign, (c,))
+    delta = jnp.where(mask, e4 * sign.reshape(b, 1, 1, c), x4 - x04)
+    return norms.project_box(x04 + delta).reshape(x.shape)
+
+
+def _l2_proposal(key: jax.Array, state: SquareState, s: jax.Array) -> jax.Array:
+    """Moves the perturbation of a second window into a first one (see the module doc)."""
+    x, x0, eps = state.x, state.x0, state.eps
+    b = x.shape[0]
+    h, w, c = _hwc(x.shape[1:])
+    k1, k2, k_sign, k_tr = _split(key, 4)
+    oh1, ow1 = _offsets(k1, s, h, w)
+    oh2, ow2 = _offsets(k2, s, h, w)
+    m1 = window_mask(oh1, ow1, s, h, w)[..., None]  # [B, h, w, 1]
+    m2 = window_mask(oh2, ow2, s, h, w)[..., None]
+    delta = (x - x0).reshape(b, h, w, c)
+
+    def channel_norm(v):  # [B, 1, 1, c]
+        return jnp.sqrt(jnp.sum(v * v, axis=(1, 2), keepdims=True))
+
+    total = norms.norm(delta, "l2").reshape(-1, 1, 1, 1)
+    old = jnp.where(m1, delta, 0.0)
+    union = channel_norm(jnp.where(m1 | m2, delta, 0.0))
+    transpose = jax.vmap(lambda k: jax.random.bernoulli(k, 0.5))(k_tr)
+    pattern = pseudo_gaussian(oh1, ow1, s, transpose, h, w)[..., None]  # [B, h, w, 1]
+    sign = _signs(k_sign, (c,)).reshape(b, 1, 1, c)
+    new = pattern * sign + old / (channel_norm(old) + 1e-10)
+    budget = jnp.maximum(eps.reshape(-1, 1, 1, 1) ** 2 - total**2, 0.0) / c + union**2
+    new = new / jnp.maximum(channel_norm(new), 1e-12) * jnp.sqrt(budget)
+    delta = jnp.where(m1, new, jnp.where(m2, 0.0, delta))
+    n = norms.norm(delta, "l2")
+    scale = eps / jnp.maximum(n, 1e-12)
+    delta = delta * scale.reshape(-1, 1, 1, 1)
+    return norms.project_box(x0 + delta.reshape(x.shape))
+
+
+# ---------------------------------------------------------------------------------------------
+# The protocol.
+
+
+def init(config: SquareConfig, keys, x0, y, eps, model: ScoreOracle, restart) -> SquareState:
+    """Linf stripes or the L2 block grid; one query (the initial point's logits)."""
+    del restart
+    _hwc(x0.shape[1:])
+    k_init, k_run = _split(keys, 2)
+    start = linf_init if config.norm == "linf" else l2_init
+    x = start(k_init, x0, eps)
+    loss = margin_loss(model.logits(x), y)
+    t = jnp.zeros(y.shape, jnp.int32)
+    return SquareState(x=x, x0=x0, y=y, eps=eps, loss=loss, key=k_run, t=t)
+
+
+def step(config: SquareConfig, state: SquareState, model: ScoreOracle):
+    """One random-search step: one proposal per example, one query, greedy acceptance."""
+    h, w, _ = _hwc(state.x.shape[1:])
+    key, k_step = _split(state.key, 2)
+    s = side(fraction(state.t, config.num_steps, config.p_init), h, w, config.norm)
+    propose = _linf_proposal if config.norm == "linf" else _l2_proposal
+    fooled = state.loss < 0
+    x_new = jnp.where(norms.per_example(fooled, state.x), state.x, propose(k_step, state, s))
+    logits = model.logits(x_new)
+    loss_new = margin_loss(logits, state.y)
+    better = (loss_new < state.loss) & ~fooled
+    new_state = state._replace(
+        x=jnp.where(norms.per_example(better, state.x), x_new, state.x),
+        loss=jnp.where(better, loss_new, state.loss),
+        key=key,
+        t=state.t + 1,
+    )
+    return new_state, Candidate(x_new, logits)
+
+
+def square(
+    norm: str = "linf",
+    queries: int = 5000,
+    p_init: float | None = None,
+    name: str | None = None,
+) -> Attack:
+    """The Square Attack, score-based, untargeted, in the Linf or L2 ball.
+
+    Args:
+      norm: ``"linf"`` or ``"l2"``.
+      queries: model queries per example, the initial point included (``queries - 1``
+        steps); the paper's budget is 10,000, AutoAttack's 5,000.
+      p_init: initial fraction of pixels changed per step; ``None``: 0.8 (Linf) or 0.1 (L2).
+      name: report name; default ``"square"``.
+
+    Returns:
+      An :class:`~jaxbundle.attacks.base.Attack` of kind ``"score-based"`` whose
+      ``queries`` is exactly ``queries``.
+    """
+    if not isinstance(norm, str) or norm not in ("linf", "l2"):
+        raise ValueError(f"square supports norms 'linf' and 'l2', not {norm!r}")
+    if isinstance(queries, bool) or not isinstance(queries, (int, np.integer)) or queries < 2:
+        raise ValueError(
+            f"square needs an integer budget of queries >= 2 (init + 1 step), got {queries!r}"
+        )
+    if p_init is None:
+        p_init = DEFAULT_P_INIT[norm]
+    if not 0.0 < float(p_init) <= 1.0:
+        raise ValueError(f"square p_init must lie in (0, 1], got {p_init}")
+    init_queries = 1
+    num_steps = int(queries) - init_queries
+    return Attack(
+        name=name or "square",
+        kind="score-based",
+        norm=norm,
+        num_steps=num_steps,
+        num_restarts=1,
+        gradients_per_step=0,
+        init=init,
+        step=step,
+        config=SquareConfig(norm, num_steps, float(p_init)),
+        goal="misclassify",
+        init_queries=init_queries,
+        queries_per_step=1,
+    )
