@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxbundle import attacks, norms
-from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel
+from jaxbundle.attacks.base import KINDS, Attack, Candidate, WhiteBoxModel, threat_model
 from jaxbundle.bundler import bundle
 from toys import KEY, images, linear_apply, linear_problem, min_distance
 
@@ -34,16 +34,20 @@ ATTACKS = [
     pytest.param(lambda: attacks.deepfool("linf", steps=4, candidates=3), "linf", id="deepfool-linf"),
     pytest.param(lambda: attacks.deepfool("l2", steps=4, candidates=3), "l2", id="deepfool-l2"),
     pytest.param(lambda: attacks.cw(steps=3, search_steps=2), "l2", id="cw-l2"),
+    pytest.param(lambda: attacks.spsa(steps=3, samples=4), "linf", id="spsa"),
+    pytest.param(lambda: attacks.rays(steps=6), "linf", id="rays"),
 ]
 EPS = {"linf": 0.1, "l2": 0.5, "l1": 1.0}
 
 
-def _setup(norm):
+def _setup(norm, attack=None):
+    """The linear toy, seen as the attack's threat model allows (white-box by default)."""
     params, x, y = linear_problem(n=16)
     x = images(x)
     eps = jnp.full((16,), EPS[norm], jnp.float32)
     keys = attacks.per_example_keys(KEY, jnp.arange(16))
-    return WhiteBoxModel(linear_apply, params), x, jnp.asarray(y), eps, keys
+    kind = "white-box" if attack is None else attack.kind
+    return threat_model(kind, linear_apply, params), x, jnp.asarray(y), eps, keys
 
 
 def _run(attack: Attack, model, keys, x, y, eps):
@@ -61,28 +65,32 @@ class TestConformance:
     def test_factory_output(self, make, norm):
         attack = make()
         assert isinstance(attack, Attack)
-        assert attack.norm == norm and attack.kind == "white-box"
+        assert attack.norm == norm and attack.kind in KINDS
         assert attack == make(), "building an attack twice must give an equal (cache-hit) attack"
         hash(attack)
 
     def test_state_type_stable_and_jittable(self, make, norm):
         attack = make()
-        model, x, y, eps, keys = _setup(norm)
-        init = jax.jit(lambda k, x, y, e, p: attack.init(attack.config, k, x, y, e, model._replace(params=p), 0))
-        step = jax.jit(lambda s, p: attack.step(attack.config, s, model._replace(params=p)))
-        state = init(keys, x, y, eps, model.params)
-        new_state, cand = step(state, model.params)
+        model, x, y, eps, keys = _setup(norm, attack)
+        params = linear_problem(n=16)[0]
+        seen = lambda p: threat_model(attack.kind, linear_apply, p)  # noqa: E731
+        init = jax.jit(lambda k, x, y, e, p: attack.init(attack.config, k, x, y, e, seen(p), 0))
+        step = jax.jit(lambda s, p: attack.step(attack.config, s, seen(p)))
+        state = init(keys, x, y, eps, params)
+        new_state, cand = step(state, params)
         assert jax.tree.structure(state) == jax.tree.structure(new_state)
         for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(new_state)):
             assert a.shape == b.shape and a.dtype == b.dtype
         assert isinstance(cand, Candidate)
-        assert cand.x.shape == x.shape and cand.logits.shape == (16, 4)
+        assert cand.x.shape == x.shape
+        assert (cand.logits is None) == (attack.kind == "decision-based")
+        assert cand.logits is None or cand.logits.shape == (16, 4)
         assert hasattr(state, "x") and state.x.shape == x.shape
 
     def test_candidates_in_box_and_ball(self, make, norm):
         """Every iterate is in the box; a fixed-budget attack's are in the eps ball too."""
         attack = make()
-        model, x, y, eps, keys = _setup(norm)
+        model, x, y, eps, keys = _setup(norm, attack)
         states, cands = _run(attack, model, keys, x, y, eps)
         for point in [s.x for s in states] + [c.x for c in cands]:
             assert float(point.min()) >= 0.0 and float(point.max()) <= 1.0
@@ -91,21 +99,23 @@ class TestConformance:
 
     def test_candidate_logits_are_the_models(self, make, norm):
         attack = make()
-        model, x, y, eps, keys = _setup(norm)
+        model, x, y, eps, keys = _setup(norm, attack)
         _, cands = _run(attack, model, keys, x, y, eps)
+        white = WhiteBoxModel(linear_apply, linear_problem(n=16)[0])
         for cand in cands:
-            np.testing.assert_allclose(cand.logits, model.logits(cand.x), rtol=1e-5, atol=1e-5)
+            if cand.logits is not None:  # label-only attacks have none
+                np.testing.assert_allclose(cand.logits, white.logits(cand.x), rtol=1e-5, atol=1e-5)
 
     def test_same_key_same_output(self, make, norm):
         attack = make()
-        model, x, y, eps, keys = _setup(norm)
+        model, x, y, eps, keys = _setup(norm, attack)
         a = _run(attack, model, keys, x, y, eps)[0][-1].x
         b = _run(attack, model, keys, x, y, eps)[0][-1].x
         np.testing.assert_array_equal(a, b)
 
     def test_vmappable_over_restarts(self, make, norm):
         attack = make()
-        model, x, y, eps, keys = _setup(norm)
+        model, x, y, eps, keys = _setup(norm, attack)
 
         def run(r):
             k = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, r)
@@ -228,3 +238,22 @@ def test_factories_reject_bad_arguments():
         attacks.pgd(step_size=-0.1)
     with pytest.raises(ValueError, match="fgsm supports"):
         attacks.fgsm("l1")
+
+
+def test_black_box_oracles_expose_only_what_the_threat_model_allows():
+    from jaxbundle.attacks.base import LabelOracle, ScoreOracle
+
+    params, x, y = linear_problem(n=8)
+    x = images(x)
+    scores, labels = ScoreOracle(linear_apply, params), LabelOracle(linear_apply, params)
+    for oracle in (scores, labels):
+        assert not hasattr(oracle, "apply_fn") and not hasattr(oracle, "params")
+        assert not hasattr(oracle, "__dict__")
+    assert not hasattr(labels, "logits") and not hasattr(scores, "loss_and_grad")
+    np.testing.assert_allclose(scores.logits(x), linear_apply(params, x), rtol=1e-6)
+    np.testing.assert_array_equal(labels.label(x), jnp.argmax(linear_apply(params, x), axis=1))
+    # No gradient leaks through a score oracle.
+    g = jax.grad(lambda v: jnp.sum(scores.logits(v)))(x)
+    assert float(jnp.abs(g).max()) == 0.0
+    assert isinstance(threat_model("score-based", linear_apply, params), ScoreOracle)
+    assert isinstance(threat_model("decision-based", linear_apply, params), LabelOracle)
