@@ -198,9 +198,9 @@ def test_examples_without_a_start_try_noise_until_one_fools():
 def test_linear_oracle_min_norm():
     """Default budget (5,000 queries, 498 steps), white Gaussian directions on the 20-pixel toy.
 
-    Measured: all 64 examples fooled; attained / analytic minimum distance: median ~1.05, ~94%
-    within 10%, max ~1.35 (the worst are the examples whose minimum is a few grid levels,
-    where rounding to the 8-bit grid dominates).
+    Measured: all 64 examples fooled; attained / analytic minimum distance: median 1.03, 94%
+    within 10%, max 1.15 (the worst are the examples whose minimum is a few grid levels, where
+    rounding to the 8-bit grid dominates).
     """
     a = surfree(basis="gaussian")
     r = bundle([a], linear_apply, PARAMS, X0, Y0, KEY, eps=0.1, norm="l2", quantize=False)
@@ -214,4 +214,4 @@ def test_linear_oracle_min_norm():
     assert _on_grid(s.x) and float(jnp.min(s.x)) >= 0 and float(jnp.max(s.x)) <= 1
     ratio = np.asarray(s.score.distortion) / min_distance(PARAMS, X, Y, "l2")
     assert ratio.min() >= 1 - 1e-4
-    assert np.median(ratio) < 1.1 and np.mean(ratio < 1.1) >= 0.8 and ratio.max() < 1.6
+    assert np.median(ratio) < 1.1 and np.mean(ratio < 1.1) >= 0.8 and ratio.max() < 1.3

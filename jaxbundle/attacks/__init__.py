@@ -18,6 +18,7 @@ from jaxbundle.attacks.fmn import fmn
 from jaxbundle.attacks.pgd import pgd
 from jaxbundle.attacks.rays import rays
 from jaxbundle.attacks.spsa import spsa
+from jaxbundle.attacks.surfree import surfree
 
 __all__ = [
     "Attack",
@@ -33,6 +34,7 @@ __all__ = [
     "fmn",
     "spsa",
     "rays",
+    "surfree",
     "AttackInfo",
     "CATALOGUE",
 ]
@@ -114,5 +116,12 @@ CATALOGUE: tuple[AttackInfo, ...] = (
         "decision-based",
         "min_norm",
         "Chen & Gu 2020, RayS: A Ray Searching Method for Hard-label Adversarial Attack",
+    ),
+    AttackInfo(
+        "surfree",
+        ("l2",),
+        "decision-based",
+        "min_norm",
+        "Maho, Furon & Le Merrer 2021, SurFree: a fast surrogate-free black-box attack",
     ),
 )

@@ -282,7 +282,8 @@ def _query(config: SurFreeConfig, state: SurFreeState, model: LabelOracle) -> Su
     on_blend = x0 + ((1.0 - mid) * dist)[:, None] * u
     noise = _noise(noise_keys, 1, state.x0)[0]
     point = jnp.where((state.phase == BLEND)[:, None], on_blend, on_circle).reshape(shape)
-    point = jnp.where(norms.per_example(state.phase == NOISE, point), noise, _quantized(point, state.x0))
+    at_noise = norms.per_example(state.phase == NOISE, point)
+    point = jnp.where(at_noise, noise, _quantized(point, state.x0))
     adv = _fooled(model, point, state.y)
 
     # 3. Keep the closest adversarial point; move each example's search on.
@@ -310,7 +311,9 @@ def _query(config: SurFreeConfig, state: SurFreeState, model: LabelOracle) -> Su
     bisecting = refine | blend
     lo = jnp.where(bisecting & adv, mid, lo)
     hi = jnp.where(bisecting & ~adv, mid, hi)
-    refined = (refine & (index == config.search_steps)) | (blend & (index == config.init_search_steps))
+    refined = (refine & (index == config.search_steps)) | (
+        blend & (index == config.init_search_steps)
+    )
     # NOISE: a fooling noise image starts a BLEND bisection towards x0.
     fooled_noise = noise_phase & adv
     r_noise = _flat(noise) - x0
