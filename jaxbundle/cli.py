@@ -2,7 +2,8 @@
 
 ``jaxbundle evaluate``  trains (once, cached) or loads the demo models, runs the attack bundle on
                         the embedded MNIST test sample and writes a report directory.
-``jaxbundle attacks``   lists the available attacks.
+``jaxbundle attacks``   lists the available attacks and bundles.
+``jaxbundle compare``   puts the models of one or more reports side by side (RoBIC's table).
 
 The command holds no logic of its own beyond parsing flags: everything it does is a call into
 the library.
@@ -81,8 +82,8 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument(
         "--bundle",
         choices=tuple(BUNDLES),
-        default="pgd",
-        help="named bundle of attacks (see jaxbundle.suites); default: the PGD bundle",
+        default="default",
+        help="named bundle of attacks (see jaxbundle.suites and `jaxbundle attacks`)",
     )
     ev.add_argument(
         "--attacks",
@@ -111,6 +112,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     ev.add_argument("--train-epochs", type=_positive_int, default=None, help="override epochs")
     ev.add_argument("--no-progress", action="store_true", help="no progress bars")
+    ev.add_argument("--no-shifts", action="store_true", help="skip the natural shifts")
+
+    cmp = sub.add_parser("compare", help="compare models of one or more reports side by side")
+    cmp.add_argument("reports", nargs="+", help="report directories or report.json files")
+    cmp.add_argument("--markdown", action="store_true", help="print a Markdown table")
 
     sub.add_parser("attacks", help="list the available attacks")
     return parser
@@ -149,6 +155,7 @@ def _evaluate(args: argparse.Namespace, console: Console) -> None:
     from jaxbundle import data, models
     from jaxbundle.evaluate import evaluate
     from jaxbundle.report import print_tables, write_report
+    from jaxbundle.shifts import evaluate_shifts
 
     unknown = [m for m in args.models if m not in models.MODELS]
     if unknown:
@@ -193,6 +200,11 @@ def _evaluate(args: argparse.Namespace, console: Console) -> None:
                 progress=lambda done, total: progress.update(task, completed=done, total=total),
             )
             jax.block_until_ready(evaluation.per_example)
+            if not args.no_shifts:
+                progress.update(task, description=f"{name}: natural shifts")
+                evaluation.metrics["shifts"] = evaluate_shifts(
+                    apply_fn, params, dataset.x, dataset.y, seed=args.seed
+                )
             results[name] = (evaluation, time.perf_counter() - start)
 
     print_tables(console, results)
@@ -210,8 +222,18 @@ def _evaluate(args: argparse.Namespace, console: Console) -> None:
         "batch_size": args.batch_size,
         "models": args.models,
     }
-    path = write_report(args.out, config, results)
-    console.print(f"report written to {path}")
+    path = write_report(args.out, config, results, x_clean=dataset.x)
+    console.print(f"report written to {path} (and report.md, figures)")
+
+
+def _compare(args: argparse.Namespace, console: Console) -> None:
+    from jaxbundle.compare import compare_markdown, compare_rows, compare_table, load_reports
+
+    rows = compare_rows(load_reports(args.reports))
+    if args.markdown:
+        print(compare_markdown(rows))
+    else:
+        console.print(compare_table(rows))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -221,6 +243,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "attacks":
             _list_attacks(console)
+        elif args.command == "compare":
+            _compare(args, console)
         else:
             _evaluate(args, console)
     except (ValueError, FileNotFoundError) as err:

@@ -19,6 +19,15 @@ Schema of ``report.json`` (version 1)::
           "white_box_robust_accuracy": float | null,  # bundle of the white-box attacks alone
           "black_box_robust_accuracy": float | null,  # bundle of the black-box attacks alone
           "black_box_only": int,           # examples only a black-box attack fooled (masking?)
+          "operating_characteristic": {"grid": [D...], "white_box" | "black_box" | "bundled": [P(D)...]},
+          "half_distortion": {"white_box" | "black_box" | "bundled":
+                              {"d_half": float | "inf" | null, "fooled_fraction": float, "n_correct": int}},
+          "failure_rate_curve": {"thresholds": [...], "attacked": [...], "clean": [...]},
+          "attack_contribution": {"<attack>": {"won": int, "only_this": int}},
+          "robustness_vs_compute": {"cost": [gradients + queries...], "robust_accuracy": [...]},
+          "shifts": {"clean_accuracy": float, "<shift>": {"<severity>": {"accuracy": float,
+                     "relative_robustness": float | null}}},          # unless --no-shifts
+          "figures": {"<figure>": "<file>.png"},
           "eps": float, "norm": str, "seed": int, "goals": [str],
           "per_example": "<model>.npz",
           "seconds": float
@@ -32,7 +41,13 @@ adversarial image), ``winning_attack`` (index into ``attack_names``; -1 = the cl
 ``winning_restart``, ``winning_step``, ``attack_success`` (``[n, A]``), ``gradients``,
 ``queries`` (black-box model queries), ``black_box_only`` (bool: fooled only by black-box attacks),
 ``x_adv`` (uint8 adversarial images), ``max_wrong_confidence`` and ``min_distortion``
-(``inf`` where no misclassified candidate was found), and ``attack_names``.
+(``inf`` where no misclassified candidate was found), ``attack_distortion`` (``[n, A]``, each
+attack's smallest verified adversarial distortion, ``inf``: none), ``min_distortion_white_box``
+/ ``_black_box`` / ``_bundled``, ``clean_wrong_confidence``, and ``attack_names``.
+
+Infinite values (a D1/2 when under half the examples are ever fooled) are written as the string
+``"inf"``: JSON has no infinity, and a NaN never stands for a number here. ``report.md`` holds
+the same figures as Markdown tables with the PNG plots.
 """
 
 from __future__ import annotations
@@ -47,7 +62,7 @@ from rich.table import Table
 
 from jaxbundle.evaluate import Evaluation
 
-__all__ = ["SCHEMA_VERSION", "table", "print_tables", "write_report"]
+__all__ = ["SCHEMA_VERSION", "table", "print_tables", "write_report", "markdown"]
 
 SCHEMA_VERSION = 1
 
@@ -86,10 +101,14 @@ def table(model_name: str, metrics: dict) -> Table:
 
 
 def write_report(
-    out_dir: str, config: dict[str, Any], results: dict[str, tuple[Evaluation, float]]
+    out_dir: str,
+    config: dict[str, Any],
+    results: dict[str, tuple[Evaluation, float]],
+    x_clean: np.ndarray | None = None,
 ) -> str:
-    """Writes ``report.json`` and one ``<model>.npz`` per model; returns the JSON path."""
-    from jaxbundle import __version__
+    """Writes ``report.json``, ``report.md``, one ``<model>.npz`` and the PNG figures per model
+    (the example grid only with the clean images ``x_clean``); returns the JSON path."""
+    from jaxbundle import __version__, plots
 
     os.makedirs(out_dir, exist_ok=True)
     models = {}
@@ -100,7 +119,12 @@ def write_report(
             attack_names=np.asarray(evaluation.attack_names),
             **evaluation.per_example,
         )
-        models[name] = dict(evaluation.metrics, per_example=npz, seconds=round(seconds, 2))
+        figures = plots.write_all(
+            evaluation.metrics, evaluation.per_example, x_clean, out_dir, prefix=name
+        )
+        models[name] = dict(
+            evaluation.metrics, per_example=npz, figures=figures, seconds=round(seconds, 2)
+        )
     report = {
         "schema_version": SCHEMA_VERSION,
         "jaxbundle_version": __version__,
@@ -110,7 +134,74 @@ def write_report(
     path = os.path.join(out_dir, "report.json")
     with open(path, "w") as f:
         json.dump(_explicit_inf(report), f, indent=2, allow_nan=False, default=_json_default)
+    with open(os.path.join(out_dir, "report.md"), "w") as f:
+        f.write(markdown(report))
     return path
+
+
+def _fmt(v: Any, digits: int = 2) -> str:
+    if v is None:
+        return "n/a"
+    if isinstance(v, (float, np.floating)) and np.isinf(v):
+        return "inf"
+    return f"{v:.{digits}f}" if isinstance(v, (float, np.floating)) else str(v)
+
+
+def _half_text(h: dict | None) -> str:
+    if not h:
+        return "n/a"
+    if h["d_half"] is not None and np.isinf(h["d_half"]):
+        return f"inf (only {100 * h['fooled_fraction']:.1f}% ever fooled)"
+    return _fmt(h["d_half"], 3)
+
+
+def markdown(report: dict) -> str:
+    """The report as Markdown: per model the attack table, D1/2, shifts and the figures."""
+    c = report["config"]
+    lines = [
+        "# jaxbundle report",
+        "",
+        f"{c.get('dataset', '?')}, n={c.get('n')}, {c.get('norm')} eps={c.get('eps')}, "
+        f"attacks: {', '.join(c.get('attacks', []))}, seed {c.get('seed')}.",
+        "",
+    ]
+    for name, m in report["models"].items():
+        clean = m["clean_accuracy"]
+        rr = lambda acc: None if not clean else 100.0 * acc / clean  # noqa: E731
+        lines += [f"## {name}", "", "| row | accuracy % | RR % |", "|---|---:|---:|",
+                  f"| clean | {_fmt(clean)} | |"]
+        lines += [f"| MAT {a} | {_fmt(v)} | {_fmt(rr(v))} |" for a, v in m["mat"].items()]
+        lines.append(f"| WAT ({m['wat_attack']}) | {_fmt(m['wat'])} | {_fmt(rr(m['wat']))} |")
+        for kind in ("white_box", "black_box"):
+            v = m.get(f"{kind}_robust_accuracy")
+            if v is not None and m.get("black_box_robust_accuracy") is not None:
+                lines.append(f"| {kind.replace('_', '-')} bundled | {_fmt(v)} | {_fmt(rr(v))} |")
+        lines += [
+            f"| **bundled robust** | **{_fmt(m['robust_accuracy'])}** | "
+            f"**{_fmt(m['relative_robustness'])}** |",
+            "",
+            f"Fooled only by black-box attacks: {m.get('black_box_only', 0)} examples.",
+            "",
+        ]
+        half = m.get("half_distortion", {})
+        if half:
+            lines += ["| half-distortion D1/2 (" + m["norm"] + ") | value |", "|---|---|"]
+            lines += [f"| {k.replace('_', '-')} | {_half_text(h)} |" for k, h in half.items()]
+            lines.append("")
+        shifts = m.get("shifts")
+        if shifts:
+            names = [k for k in shifts if k != "clean_accuracy"]
+            sev = list(shifts[names[0]]) if names else []
+            lines += ["| shift (accuracy % / RR %) | " + " | ".join(f"severity {s}" for s in sev) + " |",
+                      "|---|" + "---|" * len(sev)]
+            for s_name in names:
+                cells = [f"{_fmt(v['accuracy'], 1)} / {_fmt(v['relative_robustness'], 1)}"
+                         for v in shifts[s_name].values()]
+                lines.append(f"| {s_name} | " + " | ".join(cells) + " |")
+            lines.append("")
+        for fig, file in m.get("figures", {}).items():
+            lines += [f"![{name} {fig}]({file})", ""]
+    return "\n".join(lines)
 
 
 def _explicit_inf(value: Any) -> Any:
@@ -133,4 +224,21 @@ def _json_default(value: Any) -> Any:
 
 def print_tables(console: Console, results: dict[str, tuple[Evaluation, float]]) -> None:
     for name, (evaluation, _) in results.items():
-        console.print(table(name, evaluation.metrics))
+        m = evaluation.metrics
+        console.print(table(name, m))
+        half = m.get("half_distortion")
+        if half:
+            console.print(
+                f"  D1/2 ({m['norm']}): "
+                + ", ".join(f"{k.replace('_', '-')} {_half_text(h)}" for k, h in half.items())
+            )
+        shifts = m.get("shifts")
+        if shifts:
+            worst = {
+                s: min(v["accuracy"] for v in sev.values())
+                for s, sev in shifts.items() if s != "clean_accuracy"
+            }
+            console.print(
+                "  shifts, accuracy at the worst severity: "
+                + ", ".join(f"{s} {a:.1f}%" for s, a in worst.items())
+            )

@@ -10,13 +10,20 @@ candidate per example:
 ``fast``
     A quick look: APGD-CE and APGD-T with 3 targets, 20 steps each.
 ``pgd``
-    The walking skeleton's default: FGSM, and PGD-40 with the CE and the margin loss, 3
+    The walking skeleton's bundle: FGSM, and PGD-40 with the CE and the margin loss, 3
     random restarts each.
+``default``
+    The main job's: the ``pgd`` bundle, FMN (100 steps, white-box minimum norm) and a
+    decision-based minimum-norm attack with 1,000 queries (RayS in Linf, SurFree in L2), so
+    that the report has white-box and black-box P(D) curves and D1/2.
+``black-box``
+    RayS (Linf) or SurFree (L2) with 5,000 queries.
 ``min-norm``
-    The minimum-norm attacks for the success-vs-distortion curve (L2: FMN, DDN-free BP, CW,
+    The white-box minimum-norm attacks for the success-vs-distortion curve (L2: FMN, BP, CW,
     DeepFool; Linf: FMN, DeepFool).
 
-``steps`` and ``restarts`` override every iterative attack's defaults; ``step_size`` is PGD's.
+``steps`` and ``restarts`` override every iterative white-box attack's defaults (black-box
+budgets are queries and stay); ``step_size`` is PGD's.
 """
 
 from __future__ import annotations
@@ -71,7 +78,30 @@ ATTACKS: dict[str, Callable[..., Attack]] = {
     "fmn": _min_norm(attacks_lib.fmn),
     "cw-l2": _min_norm(attacks_lib.cw, takes_norm=False),
     "deepfool": _min_norm(attacks_lib.deepfool),
+    "spsa": lambda norm, steps=None, restarts=None, step_size=None: attacks_lib.spsa(
+        norm, steps=steps or 100
+    ),
+    # Black-box budgets are queries; --steps does not change them.
+    "square": lambda norm, steps=None, restarts=None, step_size=None, queries=5000: (
+        attacks_lib.square(norm, queries=queries)
+    ),
+    "rays": lambda norm, steps=None, restarts=None, step_size=None, queries=5000: _rays(norm, queries),
+    "surfree": lambda norm, steps=None, restarts=None, step_size=None, queries=5000: _surfree(
+        norm, queries
+    ),
 }
+
+
+def _rays(norm: str, queries: int) -> Attack:
+    if norm != "linf":
+        raise ValueError(f"attack 'rays' works in norm 'linf', not {norm!r}")
+    return attacks_lib.rays(steps=queries - 1)  # 1 query at init, 1 per step
+
+
+def _surfree(norm: str, queries: int) -> Attack:
+    if norm != "l2":
+        raise ValueError(f"attack 'surfree' works in norm 'l2', not {norm!r}")
+    return attacks_lib.surfree(queries=queries)
 
 # name -> tuple of (attack name, norms it applies to or None for all, overrides)
 BUNDLES: dict[str, tuple[tuple[str, tuple[str, ...] | None, dict[str, Any]], ...]] = {
@@ -81,6 +111,19 @@ BUNDLES: dict[str, tuple[tuple[str, tuple[str, ...] | None, dict[str, Any]], ...
         ("fgsm", None, {}),
         ("pgd-ce", None, {"restarts": 3}),
         ("pgd-margin", None, {"restarts": 3}),
+    ),
+    "default": (
+        ("fgsm", None, {}),
+        ("pgd-ce", None, {"restarts": 3}),
+        ("pgd-margin", None, {"restarts": 3}),
+        ("fmn", None, {}),
+        ("rays", ("linf",), {"queries": 1000}),
+        ("surfree", ("l2",), {"queries": 1000}),
+    ),
+    "black-box": (
+        ("square", None, {}),
+        ("rays", ("linf",), {}),
+        ("surfree", ("l2",), {}),
     ),
     "min-norm": (
         ("fmn", None, {}),
@@ -128,7 +171,11 @@ def bundle_attacks(
             continue
         kwargs = dict(overrides)
         kwargs.update({k: v for k, v in (("steps", steps), ("restarts", restarts)) if v is not None})
-        built.append(attack(attack_name, norm, step_size=step_size, **kwargs))
+        queries = kwargs.pop("queries", None)
+        if queries is None:
+            built.append(attack(attack_name, norm, step_size=step_size, **kwargs))
+        else:
+            built.append(ATTACKS[attack_name](norm, queries=queries))
     if not built:
         raise ValueError(f"bundle {name!r} has no attack for norm {norm!r}")
     return tuple(built)

@@ -36,6 +36,8 @@ ATTACKS = [
     pytest.param(lambda: attacks.cw(steps=3, search_steps=2), "l2", id="cw-l2"),
     pytest.param(lambda: attacks.spsa(steps=3, samples=4), "linf", id="spsa"),
     pytest.param(lambda: attacks.rays(steps=6), "linf", id="rays"),
+    pytest.param(lambda: attacks.square("linf", queries=6), "linf", id="square-linf"),
+    pytest.param(lambda: attacks.square("l2", queries=6), "l2", id="square-l2"),
     pytest.param(lambda: attacks.surfree(queries=60, history=4), "l2", id="surfree"),
 ]
 EPS = {"linf": 0.1, "l2": 0.5, "l1": 1.0}

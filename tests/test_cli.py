@@ -58,6 +58,12 @@ def test_bad_values_exit_2_with_a_message(argv, message, capsys, tmp_path):
     assert "Traceback" not in err
 
 
+def test_compare_of_a_missing_report_exits_2_naming_it(capsys):
+    assert main(["compare", "/nonexistent/report"]) == 2
+    err = capsys.readouterr().err
+    assert "error:" in err and "/nonexistent/report" in err and "Traceback" not in err
+
+
 @pytest.mark.slow
 def test_evaluate_end_to_end(tmp_path):
     """The console entry point trains tiny models, attacks 24 images and writes the report."""
@@ -70,24 +76,40 @@ def test_evaluate_end_to_end(tmp_path):
 
     report = json.loads((out / "report.json").read_text())
     assert report["schema_version"] == 1
-    assert report["config"]["attacks"] == ["fgsm", "pgd-ce", "pgd-margin"]
+    default = ["fgsm", "pgd-ce", "pgd-margin", "fmn", "rays"]
+    assert report["config"]["attacks"] == default and report["config"]["bundle"] == "default"
     assert set(report["models"]) == {"standard", "adversarial"}
     for name, m in report["models"].items():
         for key in ("clean_accuracy", "robust_accuracy", "relative_robustness", "mat", "wat",
                     "n_examples", "eps", "norm", "seed"):
             assert key in m, key
         assert m["n_examples"] == 24 and m["eps"] == 0.3 and m["norm"] == "linf" and m["seed"] == 5
-        assert set(m["mat"]) == {"fgsm", "pgd-ce", "pgd-margin"}
+        assert set(m["mat"]) == set(default)
+        assert m["robust_accuracy"] <= min(m["white_box_robust_accuracy"], m["black_box_robust_accuracy"])
+        for kind in ("white_box", "black_box", "bundled"):
+            h = m["half_distortion"][kind]
+            assert h["d_half"] == "inf" or 0 < h["d_half"] <= 1
+        assert set(m["shifts"]) >= {"clean_accuracy", "darkness", "sharpness"}
+        for fig in m["figures"].values():
+            assert (out / fig).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert m["robust_accuracy"] <= m["wat"] == min(m["mat"].values()) <= m["clean_accuracy"]
         with np.load(out / m["per_example"]) as pe:
             assert pe["success"].shape == (24,) and pe["x_adv"].dtype == np.uint8
-            assert list(pe["attack_names"]) == ["fgsm", "pgd-ce", "pgd-margin"]
+            assert list(pe["attack_names"]) == default
+            assert pe["attack_distortion"].shape == (24, 5)
             clean_ok = pe["clean_prediction"] == pe["label"]
             assert m["clean_accuracy"] == pytest.approx(100 * clean_ok.mean())
             assert m["robust_accuracy"] == pytest.approx(100 * (clean_ok & ~pe["success"]).mean())
             fooled = pe["success"]
             assert np.all(pe["adversarial_prediction"][fooled] != pe["label"][fooled])
             assert np.all(pe["distortion"][fooled] <= 0.3 + 1e-6)
+
+    md = (out / "report.md").read_text()
+    assert "## adversarial" in md and "D1/2" in md and ".png)" in md
+
+    compare = subprocess.run([sys.executable, "-m", "jaxbundle", "compare", str(out)],
+                             capture_output=True, text=True, timeout=300)
+    assert compare.returncode == 0 and "adversarial" in compare.stdout and "D1/2" in compare.stdout
 
     # A second run reuses the cached weights and, with the same seed, repeats the figures.
     again = subprocess.run(cmd[:-2] + ["--seed", "5"], capture_output=True, text=True, timeout=900)

