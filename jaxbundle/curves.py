@@ -131,21 +131,28 @@ def failure_rate_curve(
 
 def attack_contribution(
     attack_success: np.ndarray, winning_attack: np.ndarray, clean_correct: np.ndarray,
-    attack_names: Sequence[str],
+    attack_names: Sequence[str], winning_restart: np.ndarray | None = None,
 ) -> dict:
-    """Per attack: examples it won in the bundle, and examples only it fooled.
+    """Per attack: examples it won in the bundle (and by which restart), and examples only it
+    fooled (lost if it were dropped).
 
-    ``attack_success`` ``[n, A]`` (each attack alone, verified), ``winning_attack`` ``[n]``
-    (index, -1 for none), over the correctly classified examples.
+    ``attack_success`` ``[n, A]`` (each attack alone, verified), ``winning_attack`` and
+    ``winning_restart`` ``[n]`` (index, -1 for none), over the correctly classified examples.
     """
     ok = np.asarray(clean_correct, bool)
     succ = np.asarray(attack_success, bool)[ok]
     win = np.asarray(winning_attack)[ok]
     others = succ.sum(axis=1, keepdims=True) - succ  # how many other attacks fooled it
-    return {
-        name: {"won": int(np.sum(win == a)), "only_this": int(np.sum(succ[:, a] & (others[:, a] == 0)))}
-        for a, name in enumerate(attack_names)
-    }
+    out = {}
+    for a, name in enumerate(attack_names):
+        out[name] = {"won": int(np.sum(win == a)),
+                     "only_this": int(np.sum(succ[:, a] & (others[:, a] == 0)))}
+        if winning_restart is not None:
+            restarts = np.asarray(winning_restart)[ok][win == a]
+            out[name]["won_by_restart"] = {
+                str(r): int(c) for r, c in zip(*np.unique(restarts, return_counts=True))
+            }
+    return out
 
 
 def robustness_vs_compute(

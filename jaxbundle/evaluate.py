@@ -98,8 +98,11 @@ def curve_metrics(per_example: dict[str, np.ndarray], attacks: Sequence[Attack],
         "operating_characteristic": oc,
         "half_distortion": half,
         "attack_contribution": curves.attack_contribution(
-            per_example["attack_success"], per_example["winning_attack"], ok, names
+            per_example["attack_success"], per_example["winning_attack"], ok, names,
+            per_example["winning_restart"],
         ),
+        "gradients_per_example": int(sum(a.gradients for a in attacks)),
+        "queries_per_example": int(sum(a.queries for a in attacks)),
         "robustness_vs_compute": curves.robustness_vs_compute(
             per_example["attack_success"], ok, [a.gradients + a.queries for a in attacks]
         ),

@@ -87,6 +87,9 @@ def test_attack_contribution_and_robustness_vs_compute():
     ok = np.array([True, True, True, True, False])
     c = curves.attack_contribution(success, winning, ok, ["a", "b"])
     assert c == {"a": {"won": 2, "only_this": 1}, "b": {"won": 1, "only_this": 1}}
+    restart = np.array([2, 0, 1, 0, 2])
+    c = curves.attack_contribution(success, winning, ok, ["a", "b"], restart)
+    assert c["a"]["won_by_restart"] == {"0": 1, "2": 1} and c["b"]["won_by_restart"] == {"1": 1}
     r = curves.robustness_vs_compute(success, ok, [10, 100])
     assert r["cost"] == [0, 10, 110]
     np.testing.assert_allclose(r["robust_accuracy"], [80.0, 40.0, 20.0])
