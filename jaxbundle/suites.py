@@ -13,9 +13,10 @@ candidate per example:
     The walking skeleton's bundle: FGSM, and PGD-40 with the CE and the margin loss, 3
     random restarts each.
 ``default``
-    The main job's: the ``pgd`` bundle, FMN (100 steps, white-box minimum norm) and a
-    decision-based minimum-norm attack with 1,000 queries (RayS in Linf, SurFree in L2), so
-    that the report has white-box and black-box P(D) curves and D1/2.
+    The main job's: the ``pgd`` bundle, FMN (100 steps, white-box minimum norm), Square (1,000
+    queries, score-based: the check against gradient masking) and a decision-based
+    minimum-norm attack with 1,000 queries (RayS in Linf, SurFree in L2), so that the report
+    has white-box and black-box robust accuracy, P(D) curves and D1/2.
 ``black-box``
     RayS (Linf) or SurFree (L2) with 5,000 queries.
 ``min-norm``
@@ -117,6 +118,7 @@ BUNDLES: dict[str, tuple[tuple[str, tuple[str, ...] | None, dict[str, Any]], ...
         ("pgd-ce", None, {"restarts": 3}),
         ("pgd-margin", None, {"restarts": 3}),
         ("fmn", None, {}),
+        ("square", None, {"queries": 1000}),
         ("rays", ("linf",), {"queries": 1000}),
         ("surfree", ("l2",), {"queries": 1000}),
     ),

@@ -76,7 +76,7 @@ def test_evaluate_end_to_end(tmp_path):
 
     report = json.loads((out / "report.json").read_text())
     assert report["schema_version"] == 1
-    default = ["fgsm", "pgd-ce", "pgd-margin", "fmn", "rays"]
+    default = ["fgsm", "pgd-ce", "pgd-margin", "fmn", "square", "rays"]
     assert report["config"]["attacks"] == default and report["config"]["bundle"] == "default"
     assert set(report["models"]) == {"standard", "adversarial"}
     for name, m in report["models"].items():
@@ -96,7 +96,7 @@ def test_evaluate_end_to_end(tmp_path):
         with np.load(out / m["per_example"]) as pe:
             assert pe["success"].shape == (24,) and pe["x_adv"].dtype == np.uint8
             assert list(pe["attack_names"]) == default
-            assert pe["attack_distortion"].shape == (24, 5)
+            assert pe["attack_distortion"].shape == (24, 6)
             clean_ok = pe["clean_prediction"] == pe["label"]
             assert m["clean_accuracy"] == pytest.approx(100 * clean_ok.mean())
             assert m["robust_accuracy"] == pytest.approx(100 * (clean_ok & ~pe["success"]).mean())
