@@ -12,26 +12,7 @@ from jaxbundle.attacks import per_example_keys
 from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel
 from jaxbundle.attacks.deepfool import deepfool
 from jaxbundle.bundler import bundle
-from toys import KEY, images, linear_apply, linear_problem, min_distance
-
-
-def _dot_flops(jaxpr) -> int:
-    """Multiply-adds of every dot_general in a jaxpr, sub-jaxprs (jit, scan, ...) included."""
-    total = 0
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            (contract, _), _ = eqn.params["dimension_numbers"]
-            lhs = eqn.invars[0].aval.shape
-            total += int(np.prod(eqn.outvars[0].aval.shape)) * int(
-                np.prod([lhs[i] for i in contract])
-            )
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else (value,):
-                if hasattr(sub, "eqns"):
-                    total += _dot_flops(sub)
-                elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
-                    total += _dot_flops(sub.jaxpr)
-    return total
+from toys import KEY, images, linear_apply, linear_problem, min_distance, dot_flops as _dot_flops
 
 
 def _setup(n=16, k=4, seed=0, spread=0.05):

@@ -11,26 +11,7 @@ from jaxbundle import losses, norms
 from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel
 from jaxbundle.attacks.fmn import cosine, fmn
 from jaxbundle.bundler import bundle
-from toys import KEY, images, linear_apply, linear_problem, min_distance
-
-
-def _dot_flops(jaxpr) -> int:
-    """Multiply-adds of every dot_general in a jaxpr, sub-jaxprs (jit, scan, ...) included."""
-    total = 0
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            (contract, _), _ = eqn.params["dimension_numbers"]
-            lhs = eqn.invars[0].aval.shape
-            total += int(np.prod(eqn.outvars[0].aval.shape)) * int(
-                np.prod([lhs[i] for i in contract])
-            )
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else (value,):
-                if hasattr(sub, "eqns"):
-                    total += _dot_flops(sub)
-                elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
-                    total += _dot_flops(sub.jaxpr)
-    return total
+from toys import KEY, images, linear_apply, linear_problem, min_distance, dot_flops as _dot_flops
 
 
 def _run(attack: Attack, model, x, y, steps=None):

@@ -12,7 +12,7 @@ from jaxbundle import norms
 from jaxbundle.attacks.base import Attack, Candidate, LabelOracle, per_example_keys
 from jaxbundle.attacks.rays import NONE_FOUND, _advance, flip_mask, max_stage, rays
 from jaxbundle.bundler import bundle
-from toys import KEY, images, linear_apply, linear_problem, min_distance
+from toys import KEY, images, linear_apply, linear_problem, min_distance, run_steps as _run
 
 B = 8
 
@@ -23,17 +23,6 @@ def _setup(seed=1):
     keys = per_example_keys(KEY, jnp.arange(B))
     eps = jnp.full((B,), 0.1, jnp.float32)
     return params, LabelOracle(linear_apply, params), x, jnp.asarray(y), eps, keys
-
-
-def _run(attack, model, keys, x, y, eps, steps, restart=0):
-    step = jax.jit(lambda s: attack.step(attack.config, s, model))
-    state = attack.init(attack.config, keys, x, y, eps, model, restart)
-    states, cands = [state], []
-    for _ in range(steps):
-        state, cand = step(state)
-        states.append(state)
-        cands.append(cand)
-    return states, cands
 
 
 def test_factory():

@@ -12,7 +12,7 @@ from jaxbundle import norms
 from jaxbundle.attacks.base import Attack, Candidate, ScoreOracle, per_example_keys
 from jaxbundle.attacks.spsa import spsa, spsa_gradient, rademacher
 from jaxbundle.bundler import bundle
-from toys import KEY, images, linear_apply, linear_problem, min_distance
+from toys import KEY, images, linear_apply, linear_problem, min_distance, run_steps as _run
 
 B = 8
 EPS = 0.05
@@ -24,17 +24,6 @@ def _setup(seed=0):
     eps = jnp.full((B,), EPS, jnp.float32)
     keys = per_example_keys(KEY, jnp.arange(B))
     return params, ScoreOracle(linear_apply, params), x, jnp.asarray(y), eps, keys
-
-
-def _run(attack, model, keys, x, y, eps, steps):
-    step = jax.jit(lambda s: attack.step(attack.config, s, model))
-    state = attack.init(attack.config, keys, x, y, eps, model, 0)
-    states, cands = [state], []
-    for _ in range(steps):
-        state, cand = step(state)
-        states.append(state)
-        cands.append(cand)
-    return states, cands
 
 
 def test_factory():

@@ -51,3 +51,35 @@ def images(x, shape=(4, 5, 1)):
 
 
 KEY = jax.random.key(0)
+
+
+def run_steps(attack, model, keys, x, y, eps, steps, restart=0):
+    """All states and candidates of ``steps`` jitted steps of ``attack`` after its ``init``."""
+    step = jax.jit(lambda s: attack.step(attack.config, s, model))
+    state = attack.init(attack.config, keys, x, y, eps, model, restart)
+    states, cands = [state], []
+    for _ in range(steps):
+        state, cand = step(state)
+        states.append(state)
+        cands.append(cand)
+    return states, cands
+
+
+def dot_flops(jaxpr) -> int:
+    """Multiply-adds of every dot_general in a jaxpr, sub-jaxprs (jit, scan, ...) included: on a
+    linear model, a count of forward and backward passes."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            (contract, _), _ = eqn.params["dimension_numbers"]
+            lhs = eqn.invars[0].aval.shape
+            total += int(np.prod(eqn.outvars[0].aval.shape)) * int(
+                np.prod([lhs[i] for i in contract])
+            )
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else (value,):
+                if hasattr(sub, "eqns"):
+                    total += dot_flops(sub)
+                elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
+                    total += dot_flops(sub.jaxpr)
+    return total
