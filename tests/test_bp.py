@@ -11,7 +11,7 @@ from jaxbundle import losses, norms
 from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel
 from jaxbundle.attacks.bp import BPConfig, BPState, bp
 from jaxbundle.bundler import bundle
-from toys import KEY, images, linear_apply, linear_problem, min_distance
+from toys import KEY, images, linear_apply, linear_problem, min_distance, run_steps
 
 
 def _setup(n=16, seed=0, k=4, spread=0.05):
@@ -22,14 +22,7 @@ def _setup(n=16, seed=0, k=4, spread=0.05):
 def _run(attack: Attack, model, x, y):
     """All states and candidates of one run, step by step (jitted step)."""
     eps = jnp.ones((x.shape[0],), jnp.float32)
-    state = attack.init(attack.config, None, x, y, eps, model, jnp.int32(0))
-    step = jax.jit(lambda s: attack.step(attack.config, s, model))
-    states, cands = [state], []
-    for _ in range(attack.num_steps):
-        state, cand = step(state)
-        states.append(state)
-        cands.append(cand)
-    return states, cands
+    return run_steps(attack, model, None, x, y, eps, attack.num_steps, jnp.int32(0))
 
 
 def _best_ratio(params, x, y, attack):

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from jaxbundle import losses
-from jaxbundle.attacks import per_example_keys
 from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel
 from jaxbundle.attacks.deepfool import deepfool
 from jaxbundle.bundler import bundle
-from toys import KEY, images, linear_apply, linear_problem, min_distance, dot_flops as _dot_flops
+from toys import KEY, images, linear_apply, linear_problem, min_distance, run_steps
+from toys import dot_flops as _dot_flops
 
 
 def _setup(n=16, k=4, seed=0, spread=0.05):
@@ -22,15 +22,8 @@ def _setup(n=16, k=4, seed=0, spread=0.05):
 
 
 def _run(attack: Attack, model, x, y, steps=None):
-    keys = per_example_keys(KEY, jnp.arange(len(y)))
-    state = attack.init(attack.config, keys, x, y, None, model, 0)
-    states, cands = [state], []
-    step = jax.jit(lambda s: attack.step(attack.config, s, model))
-    for _ in range(attack.num_steps if steps is None else steps):
-        state, cand = step(state)
-        states.append(state)
-        cands.append(cand)
-    return states, cands
+    # The attack ignores keys and eps (minimum-norm, deterministic).
+    return run_steps(attack, model, None, x, y, None, attack.num_steps if steps is None else steps)
 
 
 def _ratio(params, x, y, norm, attack):

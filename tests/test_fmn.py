@@ -11,18 +11,13 @@ from jaxbundle import losses, norms
 from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel
 from jaxbundle.attacks.fmn import cosine, fmn
 from jaxbundle.bundler import bundle
-from toys import KEY, images, linear_apply, linear_problem, min_distance, dot_flops as _dot_flops
+from toys import KEY, images, linear_apply, linear_problem, min_distance, run_steps
+from toys import dot_flops as _dot_flops
 
 
 def _run(attack: Attack, model, x, y, steps=None):
-    state = attack.init(attack.config, None, x, y, None, model, 0)
-    states, cands = [state], []
-    step = jax.jit(lambda s: attack.step(attack.config, s, model))
-    for _ in range(attack.num_steps if steps is None else steps):
-        state, cand = step(state)
-        states.append(state)
-        cands.append(cand)
-    return states, cands
+    # The attack ignores keys and eps (minimum-norm, deterministic).
+    return run_steps(attack, model, None, x, y, None, attack.num_steps if steps is None else steps)
 
 
 def _l1_min_distance_in_box(params, x, y) -> np.ndarray:
