@@ -75,6 +75,7 @@ ATTACKS: dict[str, Callable[..., Attack]] = {
     "apgd-ce": _apgd("ce"),
     "apgd-dlr": _apgd("dlr"),
     "apgd-t": _apgd("dlr-targeted"),
+    "apgd-t3": _apgd("dlr-targeted", targets=3),
     "bp": _min_norm(attacks_lib.bp),
     "fmn": _min_norm(attacks_lib.fmn),
     "cw-l2": _min_norm(attacks_lib.cw, takes_norm=False),
@@ -134,7 +135,6 @@ BUNDLES: dict[str, tuple[tuple[str, tuple[str, ...] | None, dict[str, Any]], ...
         ("deepfool", None, {}),
     ),
 }
-ATTACKS["apgd-t3"] = _apgd("dlr-targeted", targets=3)
 
 
 def attack(
