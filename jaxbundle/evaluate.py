@@ -4,9 +4,12 @@
 over padded batches (one compiled program for the whole dataset), sums
 :class:`jaxbundle.metrics.Counts` on device, and gathers small per-example arrays on the host.
 
-With several local devices the batch axis is sharded over a ``jax.sharding.Mesh`` (params
+With several devices the batch axis is sharded over a ``jax.sharding.Mesh`` (params
 replicated); the answer is the same as on one device because every example draws its own
-randomness from ``fold_in(key, example_id)`` and metrics are sums. With ``checkpoint_dir``, the
+randomness from ``fold_in(key, example_id)`` and metrics are sums. After
+``jax.distributed.initialize()`` the mesh spans every device of every process: each process runs
+the same call on the same data, the bundle runs as one SPMD program over the global batch, the
+counts come back replicated and the per-example arrays are gathered to every process. With ``checkpoint_dir``, the
 state after every batch is written atomically and a rerun resumes after the last finished
 batch with a bit-identical result.
 """
@@ -22,6 +25,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxbundle import curves
@@ -32,7 +36,7 @@ from jaxbundle.attacks.base import Attack
 from jaxbundle.bundler import BundleResult, bundle, check_attacks, check_inputs, goals_for
 from jaxbundle.metrics import Counts, kind_success
 
-__all__ = ["Evaluation", "evaluate", "per_example_arrays", "curve_metrics", "default_mesh"]
+__all__ = ["Evaluation", "evaluate", "per_example_arrays", "curve_metrics", "default_mesh", "to_host"]
 
 
 class Evaluation(NamedTuple):
@@ -115,11 +119,18 @@ def curve_metrics(per_example: dict[str, np.ndarray], attacks: Sequence[Attack],
 
 
 def default_mesh() -> Mesh | None:
-    """A 1-D ``("batch",)`` mesh over all local devices, or ``None`` for a single device."""
-    devices = jax.local_devices()
+    """A 1-D ``("batch",)`` mesh over all devices of all processes, or ``None`` for one device."""
+    devices = jax.devices()
     if len(devices) == 1:
         return None
     return Mesh(np.asarray(devices), ("batch",))
+
+
+def to_host(value: jax.Array) -> np.ndarray:
+    """``value`` as a numpy array on this host, gathered from the other processes if needed."""
+    if not isinstance(value, jax.Array) or value.is_fully_addressable or value.is_fully_replicated:
+        return np.asarray(value)
+    return multihost_utils.process_allgather(value, tiled=True)
 
 
 def _fingerprint(**config: Any) -> str:
@@ -169,9 +180,11 @@ def evaluate(
       batch_size: rows per batch; the last batch is padded (masked), so one program serves all.
       quantize: judge success on 8-bit images.
       unroll, restart_mode: see :func:`jaxbundle.bundler.bundle`.
-      mesh: ``"auto"`` (all local devices), ``None`` (no sharding) or a 1-D ``Mesh`` whose axis
-        is named ``"batch"``; ``batch_size`` must divide evenly over it.
-      checkpoint_dir: if set, save after every batch and resume from there on a rerun.
+      mesh: ``"auto"`` (every device, of every process under ``jax.distributed``), ``None`` (no
+        sharding) or a 1-D ``Mesh`` whose axis is named ``"batch"``; ``batch_size`` must divide
+        evenly over it.
+      checkpoint_dir: if set, save after every batch and resume from there on a rerun (written
+        by process 0 only; every process reads it).
       progress: called as ``progress(batches_done, batches_total)``.
 
     Returns:
@@ -226,6 +239,11 @@ def evaluate(
                 start = int(saved["batches_done"])
                 counts = Counts(*(jnp.asarray(saved[f"counts_{f}"]) for f in Counts._fields))
                 chunks = {k[4:]: [saved[k]] for k in saved.files if k.startswith("out_")}
+        if jax.process_count() > 1:
+            multihost_utils.assert_equal(
+                start, f"processes resume from different batches: {ckpt_path} must be on a "
+                "file system that every process shares"
+            )
 
     eps_value = float(eps)
     for index, batch in enumerate(data_lib.batches(x, y, batch_size, start=start), start=start):
@@ -242,9 +260,9 @@ def evaluate(
         eps_b = jnp.full(by.shape, eps_value, jnp.float32)
         real = np.asarray(batch.mask)
         for k, v in per_example_arrays(result, bx, eps_b, black_box).items():
-            chunks.setdefault(k, []).append(np.asarray(v)[real])
-        if ckpt_path is not None:
-            state = {f"counts_{f}": np.asarray(v) for f, v in zip(Counts._fields, counts)}
+            chunks.setdefault(k, []).append(to_host(v)[real])
+        if ckpt_path is not None and jax.process_index() == 0:
+            state = {f"counts_{f}": to_host(v) for f, v in zip(Counts._fields, counts)}
             state.update({f"out_{k}": np.concatenate(v) for k, v in chunks.items()})
             _save_checkpoint(
                 ckpt_path, dict(state, batches_done=index + 1, fingerprint=fingerprint)

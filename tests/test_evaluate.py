@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import subprocess
 import sys
 import textwrap
@@ -188,3 +190,70 @@ def test_hand_computed_figures():
     assert relative_robustness(0, 0) is None
     with pytest.raises(ValueError, match="attack names"):
         c.compute(["a"])
+
+
+def _loopback_works() -> bool:
+    try:
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            with socket.create_connection(server.getsockname(), timeout=5):
+                return True
+    except OSError:
+        return False
+
+
+def test_two_processes_give_the_same_answer(problem, tmp_path):
+    """jax.distributed with 2 processes x 2 CPU devices: one global mesh of 4, same answer."""
+    if not _loopback_works():
+        if os.environ.get("JAXBUNDLE_REQUIRE_LOOPBACK"):
+            pytest.fail("JAXBUNDLE_REQUIRE_LOOPBACK is set but 127.0.0.1 does not connect")
+        pytest.skip("no loopback network for the jax.distributed coordinator")
+    params, x, y, eps = problem
+    np.savez(tmp_path / "p.npz", w=params["w"], b=params["b"], x=x, y=y, eps=eps)
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+    script = textwrap.dedent(
+        f"""
+        import json, os, sys
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+        import jax, numpy as np
+        process = int(sys.argv[1])
+        jax.distributed.initialize("127.0.0.1:{port}", num_processes=2, process_id=process)
+        from jaxbundle import attacks
+        from jaxbundle.evaluate import evaluate
+        from toys import linear_apply
+        assert (jax.process_count(), jax.device_count(), jax.local_device_count()) == (2, 4, 2)
+        d = np.load(r"{tmp_path / 'p.npz'}")
+        params = {{"w": d["w"], "b": d["b"]}}
+        ev = evaluate(linear_apply, params, d["x"], d["y"],
+                      [attacks.fgsm(), attacks.pgd(steps=4, restarts=2)],
+                      eps=float(d["eps"]), seed=3, batch_size=16, mesh="auto",
+                      checkpoint_dir=r"{tmp_path / 'ckpt'}")
+        np.savez(r"{tmp_path}" + f"/out{{process}}.npz", **ev.per_example)
+        with open(r"{tmp_path}" + f"/metrics{{process}}.json", "w") as f:
+            json.dump(ev.metrics, f)
+        jax.distributed.shutdown()
+        """
+    )
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(__file__))
+    workers = [
+        subprocess.Popen([sys.executable, "-c", script, str(i)], env=env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for i in range(2)
+    ]
+    for worker in workers:
+        try:
+            log, _ = worker.communicate(timeout=600)
+        finally:
+            worker.kill()
+        assert worker.returncode == 0, log[-3000:]
+    single = _run(problem, batch_size=16)
+    expected = json.loads(json.dumps(single.metrics))
+    for i in range(2):
+        with open(tmp_path / f"metrics{i}.json") as f:
+            assert json.load(f) == expected
+        with np.load(tmp_path / f"out{i}.npz") as sharded:
+            assert set(sharded.files) == set(single.per_example)
+            for k in single.per_example:
+                np.testing.assert_allclose(sharded[k], single.per_example[k], atol=1e-6, err_msg=k)
+    with np.load(tmp_path / "ckpt" / "checkpoint.npz") as saved:  # written by process 0
+        assert int(saved["batches_done"]) == 3
