@@ -113,6 +113,19 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument("--train-epochs", type=_positive_int, default=None, help="override epochs")
     ev.add_argument("--no-progress", action="store_true", help="no progress bars")
     ev.add_argument("--no-shifts", action="store_true", help="skip the natural shifts")
+    dist = ev.add_argument_group(
+        "multi-process (jax.distributed)",
+        "run the same command in every process; the batch is sharded over the devices of all "
+        "processes and process 0 prints and writes the report",
+    )
+    dist.add_argument(
+        "--distributed",
+        action="store_true",
+        help="call jax.distributed.initialize() (auto-detects TPU pods, SLURM, Open MPI, ...)",
+    )
+    dist.add_argument("--coordinator", default=None, help="coordinator HOST:PORT (implies --distributed)")
+    dist.add_argument("--num-processes", type=_positive_int, default=None, help="number of processes")
+    dist.add_argument("--process-id", type=int, default=None, help="this process's index, from 0")
 
     cmp = sub.add_parser("compare", help="compare models of one or more reports side by side")
     cmp.add_argument("reports", nargs="+", help="report directories or report.json files")
@@ -149,6 +162,24 @@ def _describe(attacks) -> str:
     )
 
 
+def _start_distributed(args: argparse.Namespace) -> None:
+    """``jax.distributed.initialize`` when any multi-process flag is given."""
+    import jax
+
+    flags = (args.coordinator, args.num_processes, args.process_id)
+    if not args.distributed and all(f is None for f in flags):
+        return
+    top = None if args.num_processes is None else args.num_processes - 1
+    if args.process_id is not None and not 0 <= args.process_id <= (top or args.process_id):
+        raise ValueError(f"--process-id must be in 0..{top if top is not None else 'N-1'}, "
+                         f"got {args.process_id}")
+    jax.distributed.initialize(
+        coordinator_address=args.coordinator,
+        num_processes=args.num_processes,
+        process_id=args.process_id,
+    )
+
+
 def _evaluate(args: argparse.Namespace, console: Console) -> None:
     import jax
 
@@ -162,6 +193,8 @@ def _evaluate(args: argparse.Namespace, console: Console) -> None:
         raise ValueError(f"unknown model(s) {unknown}; choose from {sorted(models.MODELS)}")
     attack_list = build_attacks(args)
     dataset = data.load_mnist_sample("test", n=args.n)
+    _start_distributed(args)
+    lead = jax.process_index() == 0  # prints and writes; every process computes
 
     progress = Progress(
         TextColumn("{task.description}"),
@@ -169,7 +202,7 @@ def _evaluate(args: argparse.Namespace, console: Console) -> None:
         MofNCompleteColumn(),
         TimeElapsedColumn(),
         console=console,
-        disable=args.no_progress,
+        disable=args.no_progress or not lead,
     )
     results = {}
     with progress:
@@ -207,6 +240,8 @@ def _evaluate(args: argparse.Namespace, console: Console) -> None:
                 )
             results[name] = (evaluation, time.perf_counter() - start)
 
+    if not lead:
+        return
     print_tables(console, results)
     config = {
         "dataset": dataset.name,

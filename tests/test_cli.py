@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from jaxbundle.cli import main
+from toys import coordinator_port, run_processes
 
 TINY = ["--n", "24", "--train-examples", "300", "--train-epochs", "1", "--steps", "3",
         "--restarts", "2", "--batch-size", "16", "--no-progress"]
@@ -49,6 +50,8 @@ def test_bad_flags_exit_2_with_a_message(argv, message, capsys):
         (["evaluate", "--attacks", "cw-l2"], "works in norm 'l2', not 'linf'"),
         (["evaluate", "--models", "resnet"], "unknown model"),
         (["evaluate", "--n", "5000"], "2000"),
+        (["evaluate", "--num-processes", "2", "--process-id", "2"], "--process-id must be in 0..1"),
+        (["evaluate", "--process-id", "-1"], "--process-id must be in 0..N-1"),
     ],
 )
 def test_bad_values_exit_2_with_a_message(argv, message, capsys, tmp_path):
@@ -119,6 +122,22 @@ def test_evaluate_end_to_end(tmp_path):
         for key in ("clean_accuracy", "robust_accuracy", "mat"):
             assert report2["models"][name][key] == report["models"][name][key]
     assert len(os.listdir(tmp_path / "cache" / "models")) >= 2
+
+    # Two processes (jax.distributed, 2 CPU devices each) give the same report; only process 0
+    # prints and writes it.
+    port = coordinator_port()
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    out2 = tmp_path / "report2"
+    two = [cmd[:-6] + ["--out", str(out2), "--cache-dir", str(tmp_path / "cache"), "--seed", "5",
+                       "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                       "--process-id", str(i)] for i in range(2)]
+    (code0, log0), (code1, log1) = run_processes(two, env)
+    assert code0 == 0 and code1 == 0, (log0 + log1)[-3000:]
+    assert "bundled robust" in log0 and "bundled robust" not in log1
+    report4 = json.loads((out2 / "report.json").read_text())
+    for name in report["models"]:
+        for key in ("clean_accuracy", "robust_accuracy", "mat", "half_distortion", "shifts"):
+            assert report4["models"][name][key] == report["models"][name][key], key
 
     # A named bundle: APGD-CE and APGD-T (9 targets on MNIST's 10 classes).
     fast = cmd[:-2] + ["--bundle", "fast", "--models", "adversarial", "--restarts", "1"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -19,7 +18,7 @@ from hypothesis import strategies as st
 from jaxbundle import attacks
 from jaxbundle.evaluate import evaluate
 from jaxbundle.metrics import Counts, relative_robustness
-from toys import images, linear_apply, linear_problem, min_distance
+from toys import coordinator_port, images, linear_apply, linear_problem, min_distance, run_processes
 
 ATTACKS = [attacks.fgsm(), attacks.pgd(steps=4, restarts=2)]
 
@@ -192,25 +191,11 @@ def test_hand_computed_figures():
         c.compute(["a"])
 
 
-def _loopback_works() -> bool:
-    try:
-        with socket.create_server(("127.0.0.1", 0)) as server:
-            with socket.create_connection(server.getsockname(), timeout=5):
-                return True
-    except OSError:
-        return False
-
-
 def test_two_processes_give_the_same_answer(problem, tmp_path):
     """jax.distributed with 2 processes x 2 CPU devices: one global mesh of 4, same answer."""
-    if not _loopback_works():
-        if os.environ.get("JAXBUNDLE_REQUIRE_LOOPBACK"):
-            pytest.fail("JAXBUNDLE_REQUIRE_LOOPBACK is set but 127.0.0.1 does not connect")
-        pytest.skip("no loopback network for the jax.distributed coordinator")
+    port = coordinator_port()
     params, x, y, eps = problem
     np.savez(tmp_path / "p.npz", w=params["w"], b=params["b"], x=x, y=y, eps=eps)
-    with socket.create_server(("127.0.0.1", 0)) as server:
-        port = server.getsockname()[1]
     script = textwrap.dedent(
         f"""
         import json, os, sys
@@ -235,17 +220,8 @@ def test_two_processes_give_the_same_answer(problem, tmp_path):
         """
     )
     env = dict(os.environ, PYTHONPATH=os.path.dirname(__file__))
-    workers = [
-        subprocess.Popen([sys.executable, "-c", script, str(i)], env=env, text=True,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        for i in range(2)
-    ]
-    for worker in workers:
-        try:
-            log, _ = worker.communicate(timeout=600)
-        finally:
-            worker.kill()
-        assert worker.returncode == 0, log[-3000:]
+    for code, log in run_processes([[sys.executable, "-c", script, str(i)] for i in range(2)], env):
+        assert code == 0, log[-3000:]
     single = _run(problem, batch_size=16)
     expected = json.loads(json.dumps(single.metrics))
     for i in range(2):

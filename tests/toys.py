@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -83,3 +87,55 @@ def dot_flops(jaxpr) -> int:
                 elif hasattr(sub, "jaxpr") and hasattr(sub.jaxpr, "eqns"):
                     total += dot_flops(sub.jaxpr)
     return total
+
+
+def coordinator_port() -> int:
+    """A free port on 127.0.0.1 for a ``jax.distributed`` coordinator.
+
+    Skips the calling test when the loopback interface does not connect (inside ``unshare -n``
+    it is down until ``ip link set lo up``), unless ``$JAXBUNDLE_REQUIRE_LOOPBACK`` is set, as CI
+    sets it: then the test fails instead of silently not running.
+    """
+    import pytest
+
+    try:
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            socket.create_connection(server.getsockname(), timeout=5).close()
+        with socket.create_server(("127.0.0.1", 0)) as free:  # never connected: no TIME_WAIT
+            return free.getsockname()[1]
+    except OSError as err:
+        if os.environ.get("JAXBUNDLE_REQUIRE_LOOPBACK"):
+            pytest.fail(f"JAXBUNDLE_REQUIRE_LOOPBACK is set but 127.0.0.1 does not connect: {err}")
+        pytest.skip(f"no loopback network for the jax.distributed coordinator: {err}")
+
+
+def run_processes(commands, env, timeout=600):
+    """Runs the processes of one job at once; returns ``(exit code, output)`` for each.
+
+    Output goes to files, not pipes: a process blocked on a full pipe would stall the others in
+    a collective. After ``timeout`` seconds every process still running is killed (code -9).
+    """
+    import tempfile
+    import time
+
+    with tempfile.TemporaryDirectory() as tmp:
+        logs = [open(os.path.join(tmp, f"{i}.log"), "w+") for i in range(len(commands))]
+        workers = [
+            subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
+            for cmd, log in zip(commands, logs)
+        ]
+        deadline = time.monotonic() + timeout
+        for worker in workers:
+            try:
+                worker.wait(timeout=max(deadline - time.monotonic(), 0))
+            except subprocess.TimeoutExpired:
+                pass
+        for worker in workers:
+            worker.kill()
+            worker.wait()
+        results = []
+        for worker, log in zip(workers, logs):
+            log.seek(0)
+            results.append((worker.returncode, log.read()))
+            log.close()
+        return results
