@@ -123,9 +123,9 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="call jax.distributed.initialize() (auto-detects TPU pods, SLURM, Open MPI, ...)",
     )
-    dist.add_argument("--coordinator", default=None, help="coordinator HOST:PORT (implies --distributed)")
-    dist.add_argument("--num-processes", type=_positive_int, default=None, help="number of processes")
-    dist.add_argument("--process-id", type=int, default=None, help="this process's index, from 0")
+    dist.add_argument("--coordinator", help="coordinator HOST:PORT (implies --distributed)")
+    dist.add_argument("--num-processes", type=_positive_int, help="number of processes")
+    dist.add_argument("--process-id", type=int, help="this process's index, from 0")
 
     cmp = sub.add_parser("compare", help="compare models of one or more reports side by side")
     cmp.add_argument("reports", nargs="+", help="report directories or report.json files")
@@ -169,10 +169,9 @@ def _start_distributed(args: argparse.Namespace) -> None:
     flags = (args.coordinator, args.num_processes, args.process_id)
     if not args.distributed and all(f is None for f in flags):
         return
-    top = None if args.num_processes is None else args.num_processes - 1
-    if args.process_id is not None and not 0 <= args.process_id <= (top or args.process_id):
-        raise ValueError(f"--process-id must be in 0..{top if top is not None else 'N-1'}, "
-                         f"got {args.process_id}")
+    n, i = args.num_processes, args.process_id
+    if i is not None and not 0 <= i < (n or i + 1):
+        raise ValueError(f"--process-id must be in 0..{n - 1 if n else 'N-1'}, got {i}")
     jax.distributed.initialize(
         coordinator_address=args.coordinator,
         num_processes=args.num_processes,

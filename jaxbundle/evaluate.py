@@ -7,11 +7,11 @@ over padded batches (one compiled program for the whole dataset), sums
 With several devices the batch axis is sharded over a ``jax.sharding.Mesh`` (params
 replicated); the answer is the same as on one device because every example draws its own
 randomness from ``fold_in(key, example_id)`` and metrics are sums. After
-``jax.distributed.initialize()`` the mesh spans every device of every process: each process runs
-the same call on the same data, the bundle runs as one SPMD program over the global batch, the
-counts come back replicated and the per-example arrays are gathered to every process. With ``checkpoint_dir``, the
-state after every batch is written atomically and a rerun resumes after the last finished
-batch with a bit-identical result.
+``jax.distributed.initialize()`` the mesh spans every device of every process: each process
+makes the same call on the same data, the bundle runs as one SPMD program over the global
+batch, the counts come back replicated and the per-example arrays are gathered to every
+process. With ``checkpoint_dir``, the state after every batch is written atomically and a
+rerun resumes after the last finished batch with a bit-identical result.
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ from jaxbundle.attacks.base import Attack
 from jaxbundle.bundler import BundleResult, bundle, check_attacks, check_inputs, goals_for
 from jaxbundle.metrics import Counts, kind_success
 
-__all__ = ["Evaluation", "evaluate", "per_example_arrays", "curve_metrics", "default_mesh", "to_host"]
+__all__ = [
+    "Evaluation", "evaluate", "per_example_arrays", "curve_metrics", "default_mesh", "to_host"
+]
 
 
 class Evaluation(NamedTuple):
