@@ -11,7 +11,7 @@ import pytest
 
 from jaxbundle import attacks, norms
 from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel
-from jaxbundle.bundler import bundle, quantize_min_norm
+from jaxbundle.bundler import bundle, check_inputs, quantize_min_norm
 from jaxbundle.metrics import Counts
 from toys import KEY, images, linear_apply, linear_problem, min_distance
 
@@ -247,3 +247,24 @@ def test_min_norm_candidates_survive_rounding_to_the_grid():
     np.testing.assert_array_equal(np.round(np.asarray(q) * 255), np.asarray(q) * 255)
     slack = np.sqrt(x.shape[1]) * 0.5 / 255  # half a level on every pixel
     assert np.all(np.asarray(norms.norm(q - x0, "l2")) <= 1.3 * np.linalg.norm(delta, axis=1) + slack)
+
+
+def test_input_check_traces_the_model_once_per_model_and_shapes():
+    """check_inputs remembers the model's output shape: no re-trace per bundle() call, but a
+    new parameter shape or batch shape is traced again and judged on its own classes."""
+    traces = []
+
+    def counting_apply(params, x):
+        traces.append(x.shape)
+        return linear_apply(params, x)
+
+    params, x, y = linear_problem(n=6, k=4, seed=3)
+    assert check_inputs(counting_apply, params, x, y, 0.1) == 4
+    assert check_inputs(counting_apply, params, x, y, 0.1) == 4
+    assert traces == [(6, 20)]
+    three = {"w": params["w"][:, :3], "b": params["b"][:3]}
+    assert check_inputs(counting_apply, three, x, np.minimum(y, 2), 0.1) == 3
+    with pytest.raises(ValueError, match="3-class"):
+        check_inputs(counting_apply, three, x, np.full_like(y, 3), 0.1)
+    assert check_inputs(counting_apply, params, x[:2], y[:2], 0.1) == 4
+    assert traces == [(6, 20), (6, 20), (2, 20)]
