@@ -88,36 +88,60 @@ def test_checkpoint_resume_is_bit_identical(problem, tmp_path):
         _run(problem, batch_size=8, checkpoint_dir=str(tmp_path), seed=4)
 
 
-def test_eight_devices_give_the_same_answer(problem, tmp_path):
-    """Sharding the batch over a mesh of 8 (fake CPU) devices changes nothing."""
+def _worker_script(problem, tmp_path, setup: str, checkpoint: bool = False) -> str:
+    """A script that runs ``setup`` (devices, jax.distributed), then the same evaluation as
+    ``_run(problem, batch_size=16)`` with ``mesh="auto"``, and saves what it got as
+    ``out<argv[1]>.npz`` and ``metrics<argv[1]>.json`` in ``tmp_path``."""
     params, x, y, eps = problem
     np.savez(tmp_path / "p.npz", w=params["w"], b=params["b"], x=x, y=y, eps=eps)
-    script = textwrap.dedent(
+    ckpt = repr(str(tmp_path / "ckpt")) if checkpoint else None
+    return textwrap.dedent(setup) + textwrap.dedent(
         f"""
-        import os
-        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+        import json, sys
         import jax, numpy as np
         from jaxbundle import attacks
         from jaxbundle.evaluate import evaluate
         from toys import linear_apply
-        assert jax.local_device_count() == 8
+        tag = sys.argv[1]
         d = np.load(r"{tmp_path / 'p.npz'}")
         params = {{"w": d["w"], "b": d["b"]}}
         ev = evaluate(linear_apply, params, d["x"], d["y"],
                       [attacks.fgsm(), attacks.pgd(steps=4, restarts=2)],
-                      eps=float(d["eps"]), seed=3, batch_size=16, mesh="auto")
-        np.savez(r"{tmp_path / 'out.npz'}", **ev.per_example)
-        print(ev.metrics["robust_accuracy"])
+                      eps=float(d["eps"]), seed=3, batch_size=16, mesh="auto",
+                      checkpoint_dir={ckpt})
+        np.savez(r"{tmp_path}" + f"/out{{tag}}.npz", **ev.per_example)
+        with open(r"{tmp_path}" + f"/metrics{{tag}}.json", "w") as f:
+            json.dump(ev.metrics, f)
         """
     )
-    env = dict(os.environ, PYTHONPATH=os.path.dirname(__file__))
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
+
+
+def _assert_same_as_single_device(problem, tmp_path, tags) -> None:
     single = _run(problem, batch_size=16)
-    assert float(out.stdout.strip().splitlines()[-1]) == single.metrics["robust_accuracy"]
-    with np.load(tmp_path / "out.npz") as sharded:
-        for k in single.per_example:
-            np.testing.assert_allclose(sharded[k], single.per_example[k], atol=1e-6, err_msg=k)
+    expected = json.loads(json.dumps(single.metrics))
+    for tag in tags:
+        with open(tmp_path / f"metrics{tag}.json") as f:
+            assert json.load(f) == expected
+        with np.load(tmp_path / f"out{tag}.npz") as sharded:
+            assert set(sharded.files) == set(single.per_example)
+            for k in single.per_example:
+                np.testing.assert_allclose(sharded[k], single.per_example[k], atol=1e-6, err_msg=k)
+
+
+def test_eight_devices_give_the_same_answer(problem, tmp_path):
+    """Sharding the batch over a mesh of 8 (fake CPU) devices changes nothing."""
+    setup = """
+        import os
+        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+        import jax
+        assert jax.local_device_count() == 8
+        """
+    script = _worker_script(problem, tmp_path, setup)
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(__file__))
+    out = subprocess.run([sys.executable, "-c", script, "0"], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    _assert_same_as_single_device(problem, tmp_path, ["0"])
 
 
 def test_evaluate_rejects_bad_data(problem):
@@ -193,43 +217,18 @@ def test_hand_computed_figures():
 
 def test_two_processes_give_the_same_answer(problem, tmp_path):
     """jax.distributed with 2 processes x 2 CPU devices: one global mesh of 4, same answer."""
-    port = coordinator_port()
-    params, x, y, eps = problem
-    np.savez(tmp_path / "p.npz", w=params["w"], b=params["b"], x=x, y=y, eps=eps)
-    script = textwrap.dedent(
-        f"""
-        import json, os, sys
+    setup = f"""
+        import os, sys
         os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
-        import jax, numpy as np
-        process = int(sys.argv[1])
-        jax.distributed.initialize("127.0.0.1:{port}", num_processes=2, process_id=process)
-        from jaxbundle import attacks
-        from jaxbundle.evaluate import evaluate
-        from toys import linear_apply
+        import jax
+        jax.distributed.initialize("127.0.0.1:{coordinator_port()}", num_processes=2,
+                                   process_id=int(sys.argv[1]))
         assert (jax.process_count(), jax.device_count(), jax.local_device_count()) == (2, 4, 2)
-        d = np.load(r"{tmp_path / 'p.npz'}")
-        params = {{"w": d["w"], "b": d["b"]}}
-        ev = evaluate(linear_apply, params, d["x"], d["y"],
-                      [attacks.fgsm(), attacks.pgd(steps=4, restarts=2)],
-                      eps=float(d["eps"]), seed=3, batch_size=16, mesh="auto",
-                      checkpoint_dir=r"{tmp_path / 'ckpt'}")
-        np.savez(r"{tmp_path}" + f"/out{{process}}.npz", **ev.per_example)
-        with open(r"{tmp_path}" + f"/metrics{{process}}.json", "w") as f:
-            json.dump(ev.metrics, f)
-        jax.distributed.shutdown()
         """
-    )
+    script = _worker_script(problem, tmp_path, setup, checkpoint=True)
     env = dict(os.environ, PYTHONPATH=os.path.dirname(__file__))
     for code, log in run_processes([[sys.executable, "-c", script, str(i)] for i in range(2)], env):
         assert code == 0, log[-3000:]
-    single = _run(problem, batch_size=16)
-    expected = json.loads(json.dumps(single.metrics))
-    for i in range(2):
-        with open(tmp_path / f"metrics{i}.json") as f:
-            assert json.load(f) == expected
-        with np.load(tmp_path / f"out{i}.npz") as sharded:
-            assert set(sharded.files) == set(single.per_example)
-            for k in single.per_example:
-                np.testing.assert_allclose(sharded[k], single.per_example[k], atol=1e-6, err_msg=k)
+    _assert_same_as_single_device(problem, tmp_path, ["0", "1"])
     with np.load(tmp_path / "ckpt" / "checkpoint.npz") as saved:  # written by process 0
         assert int(saved["batches_done"]) == 3
