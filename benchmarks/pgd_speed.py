@@ -71,7 +71,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbundle import bundler, goals as goals_lib, losses
+from jaxbundle import bundler, goals as goals_lib, judge, losses, norms
 from jaxbundle.attacks import pgd
 from jaxbundle.attacks.base import WhiteBoxModel, per_example_keys
 from jaxbundle.data import load_mnist_sample
@@ -223,8 +223,9 @@ def make_python_driven(attack, apply_fn, params, x, y, key) -> Callable[[], Any]
 
     @jax.jit
     def init(p, x0, yy, k, ids):
-        model = WhiteBoxModel(apply_fn, p)
-        eps = jnp.full(yy.shape, EPS, jnp.float32)
+        grid = norms.on_grid(x0)
+        model = WhiteBoxModel(apply_fn, p, grid)
+        eps = jnp.where(grid, norms.grid_radius(jnp.full(yy.shape, EPS, jnp.float32), NORM), EPS)
         keys = per_example_keys(k, ids)
         keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, 0)  # attack index
         keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, 0)  # restart
@@ -248,7 +249,9 @@ def make_python_driven(attack, apply_fn, params, x, y, key) -> Callable[[], Any]
             state.x, model.logits(state.x), x0, yy, NORM, 0, 0, attack.num_steps
         )
         found = {g: bundler.fold(g, eps, best[g], final) for g in GOALS}
-        found = {g: bundler.verify(found[g], g, model, x0, yy, eps, NORM, True) for g in GOALS}
+        grid = norms.on_grid(x0)
+        found = {g: judge.verify(found[g], g, model, x0, yy, eps, NORM, grid, clean_best[g])
+                 for g in GOALS}
         return {g: bundler.fold(g, eps, clean_best[g], found[g]) for g in GOALS}
 
     @jax.jit
@@ -557,13 +560,13 @@ def bench_single(n, args, apply_fn, params, steps) -> dict[str, Any]:
         for u in args.unrolls:
             c = bundler._bundle.lower(
                 params, x, y, key, ids, EPS, apply_fn=apply_fn, attacks=(attack,), goal_names=GOALS,
-                norm=NORM, quantize=True, unroll=u, restart_mode="vmap",
+                norm=NORM, judging="auto", unroll=u, restart_mode="vmap",
             ).compile()
             diag[f"bundle_unroll={u}"] = conv_layout_report(c.as_text())
         if args.twin:
             c = bundler._bundle.lower(
                 params, x, y, key, ids, EPS, apply_fn=twin,
-                attacks=(attack,), goal_names=GOALS, norm=NORM, quantize=True, unroll=1,
+                attacks=(attack,), goal_names=GOALS, norm=NORM, judging="auto", unroll=1,
                 restart_mode="vmap",
             ).compile()
             diag[f"diag_bundle_unroll=1_{twin_label}"] = conv_layout_report(c.as_text())

@@ -28,14 +28,14 @@ from jaxbundle import attacks, data, models
 from jaxbundle.bundler import bundle
 
 
-def run(attack_list, apply_fn, params, x, y, eps, norm, batch, quantize=True):
+def run(attack_list, apply_fn, params, x, y, eps, norm, batch, judging="auto"):
     """Per example: fooled within eps (misclassify goal) and smallest adversarial distortion."""
     fooled, dist = [], []
     for i in range(0, len(y), batch):
         r = bundle(attack_list, apply_fn, params, jnp.asarray(x[i : i + batch]),
                    jnp.asarray(y[i : i + batch]), jax.random.key(0), eps=eps, norm=norm,
                    example_id=jnp.arange(i, i + len(y[i : i + batch]), dtype=jnp.int32),
-                   quantize=quantize)
+                   judging=judging)
         fooled.append(np.asarray(r.best["misclassify"].score.misclassified))
         if "min_norm" in r.best:
             s = r.best["min_norm"].score
@@ -75,7 +75,7 @@ def main(argv=None) -> int:
         "fmn-1000 (white-box reference)": attacks.fmn("l2", steps=1000),
     }.items():
         start = time.perf_counter()
-        _, d = run([attack], apply_fn, params, xm, ym, 0.0, "l2", args.batch, quantize=False)
+        _, d = run([attack], apply_fn, params, xm, ym, 0.0, "l2", args.batch, judging="float")
         rows[name] = {"queries": attack.queries, "gradients": attack.gradients,
                       "success_rate": float(np.isfinite(d).mean()), "median_l2": float(np.median(d)),
                       "seconds": time.perf_counter() - start}

@@ -6,7 +6,7 @@ restarts, APGD-CE, APGD-T (9 targets) and the ``standard`` bundle, each alone th
 
 Part 2 (L2, the first ``--n-min-norm`` test images that the model classifies correctly): CW,
 BP, FMN and DeepFool, each run afresh at each gradient budget of a ladder (their schedules
-depend on the budget), through ``bundle`` with ``quantize=False``. Reports per budget the
+depend on the budget), through ``bundle`` with ``judging="float"``. Reports per budget the
 success rate and the median smallest adversarial L2 distortion (inf for a failure), and the
 smallest budget at which each attack's median is within 10% (3%) of the best median of any run.
 Claims: CW, BP and FMN agree within 10% with a large budget; BP needs the fewest gradients
@@ -59,7 +59,7 @@ def min_norm_attack(name: str, budget: int):
 def best_distortions(attack, apply_fn, params, x, y):
     """Per example, the smallest adversarial L2 distortion of the run (inf: none), unquantised."""
     r = bundle([attack], apply_fn, params, x, y, jax.random.key(0), eps=0.0, norm="l2",
-               quantize=False)
+               judging="float")
     s = r.best["min_norm"].score
     return np.where(np.asarray(s.misclassified), np.asarray(s.distortion), np.inf)
 

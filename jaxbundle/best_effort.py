@@ -48,7 +48,7 @@ def best_effort(
     norm: str = "linf",
     iterations: int = 8,
     example_id: jax.Array | None = None,
-    quantize: bool = True,
+    judging: str = "auto",
 ) -> BestEffort:
     """Per-example bisection on eps of a fixed-budget bundle (see the module docstring)."""
     if not eps_max > 0:
@@ -58,7 +58,7 @@ def best_effort(
 
     def run(eps, validate):
         r = bundle(attacks, apply_fn, params, x, y, key, eps=eps, norm=norm,
-                   example_id=example_id, quantize=quantize, validate=validate)
+                   example_id=example_id, judging=judging, validate=validate)
         best = r.best["misclassify"]
         return goals_lib.success("misclassify", best.score, eps), best, r.gradients
 

@@ -9,9 +9,10 @@ jitted program. For each attack (a Python loop at trace time over a static tuple
    (:func:`fold`, a per-example ``where``: no extra forward pass); after the scan the final
    iterate is evaluated once and folded too;
 3. the restarts' bests are folded into one;
-4. :func:`verify` quantises the best images to the pixel grid without leaving the ball,
-   re-runs the model on them in float32 and re-checks box, ball and label: what fails does not
-   count;
+4. :func:`jaxbundle.judge.verify` judges the best images as a user would submit them (on the
+   8-bit grid inside the ball where the clean image is on the grid, else in float32), re-runs
+   the model on them and re-checks box, ball and label: what fails does not count, and nothing
+   the attack's own candidate did not achieve is credited to it;
 5. the verified best is folded into the bundle's best state, which starts from the clean image.
 
 The misclassify goal is always tracked, and each attack's own verified success is kept, so the
@@ -29,16 +30,14 @@ import numpy as np
 
 from jaxbundle import goals as goals_lib
 from jaxbundle import norms
-from jaxbundle.attacks.base import Attack, WhiteBoxModel, per_example_keys, threat_model
+from jaxbundle.attacks.base import KINDS, Attack, WhiteBoxModel, per_example_keys, threat_model
+from jaxbundle.judge import STRETCH, check_judging, judged_on_grid, verify
 
 __all__ = [
     "BestState",
     "BundleResult",
     "fold",
     "candidate_state",
-    "verify",
-    "quantize_min_norm",
-    "STRETCH",
     "bundle",
     "check_attacks",
     "goals_for",
@@ -66,12 +65,12 @@ class BundleResult(NamedTuple):
     #   distortion (min-norm goal if tracked, else its success within eps; inf: none)
     gradients: jax.Array  # int32 [B]: gradient evaluations spent per example
     queries: jax.Array  # int32 [B]: black-box model queries spent per example
+    judged_on_grid: jax.Array  # bool [B]: judged on the 8-bit grid (else in float32)
 
 
 def fold(goal: str, eps: jax.Array, best: BestState, cand: BestState) -> BestState:
     """Keeps, per example, ``cand`` where ``goal`` prefers it to ``best``."""
-    take = goals_lib.GOALS[goal](best.score, cand.score, eps)
-    return jax.tree.map(lambda b, c: jnp.where(norms.per_example(take, b), c, b), best, cand)
+    return norms.tree_where(goals_lib.GOALS[goal](best.score, cand.score, eps), cand, best)
 
 
 def candidate_state(
@@ -98,71 +97,6 @@ def candidate_state(
         restart=full(restart),
         step=full(step),
     )
-
-
-# Min-norm verification: stretch factors tried on a perturbation before rounding it to the grid.
-STRETCH = (1.0, 1.01, 1.03, 1.1, 1.3)
-
-
-def quantize_min_norm(model: WhiteBoxModel, x: jax.Array, x0: jax.Array, y: jax.Array) -> jax.Array:
-    """Rounds min-norm candidates to the pixel grid without losing them to the rounding.
-
-    A minimum-norm candidate sits just past the decision boundary, where rounding each pixel
-    to the nearest level often lands back on the clean side. Each perturbation is stretched by
-    the smallest factor of :data:`STRETCH` whose rounded image is still misclassified (by 1
-    when none is), then rounded: ``len(STRETCH)`` forward passes, once per attack.
-    """
-
-    def rounded(s):
-        xs = norms.quantize(norms.project_box(x0 + s * (x - x0)), x0)
-        return xs, jnp.argmax(model.logits(xs), axis=-1) != y
-
-    xs, fooled = jax.vmap(rounded)(jnp.asarray(STRETCH, jnp.float32))
-    first = jnp.where(jnp.any(fooled, axis=0), jnp.argmax(fooled, axis=0), 0)
-    return jnp.take_along_axis(xs, first.reshape((1, -1) + (1,) * (xs.ndim - 2)), axis=0)[0]
-
-
-def verify(
-    best: BestState,
-    goal: str,
-    model: WhiteBoxModel,
-    x0: jax.Array,
-    y: jax.Array,
-    eps: jax.Array,
-    norm: str,
-    quantize: bool,
-) -> BestState:
-    """Re-checks a best state on what a user would submit.
-
-    The image is quantised to the 8-bit grid (for goals bound to eps, without leaving the
-    ball; for min-norm, by :func:`quantize_min_norm`), re-run through the model in float32 and
-    rescored. A candidate outside the box, with
-    non-finite logits, or (for eps-bound goals) outside the ball gets the worst score (not
-    misclassified, margin -inf, distortion inf), so that it never wins a fold.
-    """
-    bound = goal != "min_norm"
-    if not quantize:
-        x = best.x
-    elif bound:
-        x = norms.quantize(best.x, x0, eps, norm)
-    else:
-        x = quantize_min_norm(model, best.x, x0, y)
-    logits = model.logits(x)
-    s = goals_lib.score(x, logits, x0, y, norm)
-    flat = x.reshape(x.shape[0], -1)
-    valid = jnp.all((flat >= 0.0) & (flat <= 1.0), axis=1) & jnp.all(jnp.isfinite(logits), axis=1)
-    if bound:
-        valid &= goals_lib.within(s, eps)
-    # An invalid image must never win a fold for any goal: worst possible score.
-    invalid = goals_lib.Score(
-        misclassified=jnp.zeros_like(s.misclassified),
-        distortion=jnp.full_like(s.distortion, jnp.inf),
-        confidence=jnp.zeros_like(s.confidence),
-        margin=jnp.full_like(s.margin, -jnp.inf),
-        prediction=s.prediction,
-    )
-    s = jax.tree.map(lambda good, bad: jnp.where(valid, good, bad), s, invalid)
-    return best._replace(x=x, score=s)
 
 
 def _fold_all(
@@ -212,7 +146,7 @@ def _run_attack(
 ) -> dict[str, BestState]:
     """All restarts and steps of one attack, folded into a best state per goal (unverified)."""
     attack_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, index)
-    seen = threat_model(attack.kind, model.apply_fn, model.params)  # what the attacker may see
+    seen = threat_model(attack.kind, model.apply_fn, model.params, model.grid)  # what it may see
 
     def one_restart(restart):
         restart_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(attack_keys, restart)
@@ -247,7 +181,7 @@ def _run_attack(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("apply_fn", "attacks", "goal_names", "norm", "quantize", "unroll", "restart_mode"),
+    static_argnames=("apply_fn", "attacks", "goal_names", "norm", "judging", "unroll", "restart_mode"),
 )
 def _bundle(
     params: Any,
@@ -261,16 +195,20 @@ def _bundle(
     attacks: tuple[Attack, ...],
     goal_names: tuple[str, ...],
     norm: str,
-    quantize: bool,
+    judging: str,
     unroll: int | bool,
     restart_mode: str,
 ) -> BundleResult:
-    model = WhiteBoxModel(apply_fn, params)
     x = x.astype(jnp.float32)
     y = y.astype(jnp.int32)
     eps = jnp.broadcast_to(jnp.asarray(eps, jnp.float32), y.shape)
     keys = per_example_keys(key, example_id)
 
+    grid = judged_on_grid(x, judging)
+    # On the grid the ball holds whole levels only: attacks aim at the radius the judge allows
+    # (76/255 for Linf 0.3), so that rounding never has to cut a saturated perturbation back.
+    eps = jnp.where(grid, norms.grid_radius(eps, norm), eps)
+    model = WhiteBoxModel(apply_fn, params, grid)
     clean = candidate_state(x, model.logits(x), x, y, norm, -1, 0, 0)
     start = {g: clean for g in goal_names}  # every attack starts alone from the clean image
     best = start
@@ -279,7 +217,12 @@ def _bundle(
         found = _run_attack(
             attack, index, model, keys, x, y, eps, norm, goal_names, start, unroll, restart_mode
         )
-        found = {g: verify(found[g], g, model, x, y, eps, norm, quantize) for g in goal_names}
+        # A black-box attack's image is judged as it queried it: no uncounted stretching.
+        stretch = (1.0,) if attack.black_box else STRETCH
+        found = {
+            g: verify(found[g], g, model, x, y, eps, norm, grid, clean, stretch)
+            for g in goal_names
+        }
         found = _cross_fold(goal_names, eps, found)
         successes.append(goals_lib.success("misclassify", found["misclassify"].score, eps))
         distortions.append(_smallest_distortion(found, eps))
@@ -293,6 +236,7 @@ def _bundle(
         attack_distortion=jnp.stack(distortions),
         gradients=jnp.full(y.shape, gradients, dtype=jnp.int32),
         queries=jnp.full(y.shape, sum(a.queries for a in attacks), dtype=jnp.int32),
+        judged_on_grid=grid,
     )
 
 
@@ -328,13 +272,16 @@ def _cross_fold(
 
 
 def check_attacks(attacks: Sequence[Attack], norm: str) -> tuple[Attack, ...]:
-    """Validates a bundle's attacks: a non-empty sequence, unique names, the threat norm."""
+    """Validates a bundle's attacks: a non-empty sequence of known kinds, unique names, the
+    threat norm."""
     attacks = tuple(attacks)
     if not attacks:
         raise ValueError("a bundle needs at least one attack")
     for a in attacks:
         if not isinstance(a, Attack):
             raise TypeError(f"expected Attack objects (e.g. jaxbundle.attacks.pgd()), got {a!r}")
+        if a.kind not in KINDS:
+            raise ValueError(f"attack {a.name!r} has unknown kind {a.kind!r}; expected one of {KINDS}")
         if a.norm != norm:
             raise ValueError(
                 f"attack {a.name!r} works in norm {a.norm!r} but the threat model is {norm!r}"
@@ -389,12 +336,14 @@ def check_inputs(
     eps: Any,
     *,
     check_values: bool = True,
+    judging: str = "auto",
 ) -> int:
     """Checks shapes, dtypes and values at the boundary; returns the number of classes.
 
     Raises ``ValueError`` (or ``TypeError``) naming the problem: shapes, non-float images,
     NaN or infinite pixels, pixels outside [0, 1], non-integer or out-of-range labels,
-    negative or non-finite eps, and a model whose output is not ``[B, K]`` logits.
+    negative or non-finite eps, a model whose output is not ``[B, K]`` logits, and (for
+    ``judging="grid"``) images off the 8-bit grid.
     """
     if not hasattr(x, "shape") or not hasattr(y, "shape"):
         raise TypeError("x and y must be arrays")
@@ -433,6 +382,14 @@ def check_inputs(
                 f"labels must lie in [0, {num_classes}) for a {num_classes}-class model, "
                 f"found {sorted(set(bad.tolist()))[:10]}"
             )
+        if check_judging(judging) == "grid":
+            off = int(np.sum(~norms.on_grid(xh.astype(np.float32))))
+            if off:
+                raise ValueError(
+                    f"judging='grid' needs clean images on the 8-bit grid (k/255), but {off} of "
+                    f"{xh.shape[0]} are not (resized or augmented?); use judging='auto' to judge "
+                    "those in float32, or round them to the grid first"
+                )
     return num_classes
 
 
@@ -448,7 +405,7 @@ def bundle(
     norm: str = "linf",
     goals: Sequence[str] | str = ("misclassify",),
     example_id: jax.Array | None = None,
-    quantize: bool = True,
+    judging: str = "auto",
     unroll: int | bool = 1,
     restart_mode: str = "vmap",
     validate: bool = True,
@@ -467,7 +424,11 @@ def bundle(
       goals: goals to track (``misclassify`` always is, and ``min_norm`` when a minimum-norm
         attack is in the bundle): see :mod:`jaxbundle.goals`.
       example_id: ``[B]`` ids that fix each example's randomness; default ``arange(B)``.
-      quantize: judge success on images rounded to the 8-bit grid.
+      judging: how candidates are judged. ``"auto"``: an example whose clean image is on the
+        8-bit grid is judged on the grid (its image rounded, inside the ball, as a user would
+        save it), any other (resized, augmented) in float32; ``"grid"``: the same, but every
+        clean image must be on the grid (checked when ``validate``); ``"float"``: all in
+        float32. See :func:`verify`.
       unroll: ``lax.scan`` unroll factor for the steps (``True``: fully unrolled).
       restart_mode: ``"vmap"`` (restarts in parallel) or ``"map"`` (one at a time, less memory).
       validate: check inputs at the boundary (one host sync); the evaluation driver, which has
@@ -481,8 +442,9 @@ def bundle(
     goal_names = goals_for(goals, attacks)
     if restart_mode not in ("vmap", "map"):
         raise ValueError(f"restart_mode must be 'vmap' or 'map', got {restart_mode!r}")
+    check_judging(judging)
     if validate:
-        check_inputs(apply_fn, params, x, y, eps)
+        check_inputs(apply_fn, params, x, y, eps, judging=judging)
     if example_id is None:
         example_id = jnp.arange(x.shape[0], dtype=jnp.int32)
     return _bundle(
@@ -496,7 +458,7 @@ def bundle(
         attacks=attacks,
         goal_names=goal_names,
         norm=norm,
-        quantize=quantize,
+        judging=judging,
         unroll=unroll,
         restart_mode=restart_mode,
     )

@@ -100,6 +100,13 @@ def _parser() -> argparse.ArgumentParser:
     ev.add_argument(
         "--step-size", type=_positive_float, default=None, help="PGD step (default 2.5*eps/steps)"
     )
+    ev.add_argument(
+        "--judging",
+        choices=("auto", "grid", "float"),
+        default="auto",
+        help="judge on the 8-bit grid where the clean image is on it, else in float32 (auto); "
+        "require the grid (grid); or judge everything in float32 (float)",
+    )
     ev.add_argument("--seed", type=int, default=0)
     ev.add_argument("--batch-size", type=_positive_int, default=250)
     ev.add_argument("--out", default="jaxbundle-report", help="report directory")
@@ -229,6 +236,7 @@ def _evaluate(args: argparse.Namespace, console: Console) -> None:
                 norm=args.norm,
                 seed=args.seed,
                 batch_size=args.batch_size,
+                judging=args.judging,
                 progress=lambda done, total: progress.update(task, completed=done, total=total),
             )
             jax.block_until_ready(evaluation.per_example)
@@ -253,6 +261,7 @@ def _evaluate(args: argparse.Namespace, console: Console) -> None:
         "restarts": args.restarts,
         "step_size": args.step_size,
         "seed": args.seed,
+        "judging": args.judging,
         "batch_size": args.batch_size,
         "models": args.models,
     }

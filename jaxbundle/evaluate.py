@@ -1,21 +1,25 @@
 """The evaluation driver: fixed-shape batches, a device mesh, checkpoints, per-example output.
 
 ``evaluate(apply_fn, params, x, y, attacks, eps=...)`` runs :func:`jaxbundle.bundler.bundle`
-over padded batches (one compiled program for the whole dataset), sums
-:class:`jaxbundle.metrics.Counts` on device, and gathers small per-example arrays on the host.
+over padded batches (one compiled program for the whole dataset). Each batch is one jitted
+program that also computes its :class:`jaxbundle.metrics.Counts` and its per-example outputs;
+the counts are summed and the small per-example arrays collected on the host.
 
 With several devices the batch axis is sharded over a ``jax.sharding.Mesh`` (params
 replicated); the answer is the same as on one device because every example draws its own
 randomness from ``fold_in(key, example_id)`` and metrics are sums. After
 ``jax.distributed.initialize()`` the mesh spans every device of every process: each process
-makes the same call on the same data, the bundle runs as one SPMD program over the global
-batch, the counts come back replicated and the per-example arrays are gathered to every
-process. With ``checkpoint_dir``, the state after every batch is written atomically and a
-rerun resumes after the last finished batch with a bit-identical result.
+makes the same call on the same data and the bundle runs as one SPMD program over the global
+batch, whose outputs are replicated inside the program, so every process reads the whole
+result locally. No process ever runs an operation on a global array that the others do not
+(that would deadlock them): host state is numpy, and process 0 only writes files. With
+``checkpoint_dir``, the state after every batch is written atomically and a rerun resumes
+after the last finished batch with a bit-identical result.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -33,12 +37,11 @@ from jaxbundle import data as data_lib
 from jaxbundle import goals as goals_lib
 from jaxbundle import norms
 from jaxbundle.attacks.base import Attack
+from jaxbundle import judge
 from jaxbundle.bundler import BundleResult, bundle, check_attacks, check_inputs, goals_for
 from jaxbundle.metrics import Counts, kind_success
 
-__all__ = [
-    "Evaluation", "evaluate", "per_example_arrays", "curve_metrics", "default_mesh", "to_host"
-]
+__all__ = ["Evaluation", "evaluate", "per_example_arrays", "curve_metrics", "default_mesh"]
 
 
 class Evaluation(NamedTuple):
@@ -52,7 +55,7 @@ class Evaluation(NamedTuple):
 def per_example_arrays(
     result: BundleResult, x0: jax.Array, eps: jax.Array, black_box: Sequence[bool] | None = None
 ) -> dict[str, jax.Array]:
-    """The per-example outputs kept for the report (``[B]`` arrays, and ``x_adv`` as uint8)."""
+    """The per-example outputs kept for the report (``[B]`` arrays, and the judged ``x_adv``)."""
     mis = result.best["misclassify"]
     by_white, by_black = kind_success(result.attack_success, black_box)
     out = {
@@ -72,7 +75,8 @@ def per_example_arrays(
         "gradients": result.gradients,
         "queries": result.queries,
         "black_box_only": by_black & ~by_white,  # only a black-box attack fooled it
-        "x_adv": jnp.round(mis.x * 255).astype(jnp.uint8),
+        "judged_on_grid": result.judged_on_grid,
+        "x_adv": mis.x,  # the judged image (float32; stored as uint8 when all are on the grid)
     }
     if "max_confidence" in result.best:
         mc = result.best["max_confidence"].score
@@ -128,11 +132,48 @@ def default_mesh() -> Mesh | None:
     return Mesh(np.asarray(devices), ("batch",))
 
 
-def to_host(value: jax.Array) -> np.ndarray:
-    """``value`` as a numpy array on this host, gathered from the other processes if needed."""
-    if not isinstance(value, jax.Array) or value.is_fully_addressable or value.is_fully_replicated:
-        return np.asarray(value)
-    return multihost_utils.process_allgather(value, tiled=True)
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "apply_fn", "attacks", "goal_names", "norm", "judging", "unroll", "restart_mode", "mesh"
+    ),
+)
+def _evaluate_batch(
+    params: Any,
+    x: jax.Array,
+    y: jax.Array,
+    key: jax.Array,
+    example_id: jax.Array,
+    mask: jax.Array,
+    eps: jax.Array,
+    *,
+    apply_fn: Callable[[Any, jax.Array], jax.Array],
+    attacks: tuple[Attack, ...],
+    goal_names: tuple[str, ...],
+    norm: str,
+    judging: str,
+    unroll: int | bool,
+    restart_mode: str,
+    mesh: Mesh | None,
+) -> tuple[Counts, dict[str, jax.Array]]:
+    """One batch: the bundle, its counts and its per-example outputs, in one program.
+
+    With a mesh, every output is replicated on every device (the gather happens inside the
+    program), so each process reads the whole result locally: no eager operation on a global
+    array, and nothing a single process would have to run alone.
+    """
+    result = bundle(
+        attacks, apply_fn, params, x, y, key, eps=eps, norm=norm, goals=goal_names,
+        example_id=example_id, judging=judging, unroll=unroll, restart_mode=restart_mode,
+        validate=False,
+    )
+    black_box = tuple(a.black_box for a in attacks)
+    eps_b = jnp.full(y.shape, eps, jnp.float32)
+    out = (Counts.from_result(result, mask, eps_b, black_box),
+           per_example_arrays(result, x, eps_b, black_box))
+    if mesh is not None:
+        out = jax.lax.with_sharding_constraint(out, NamedSharding(mesh, PartitionSpec()))
+    return out
 
 
 def _fingerprint(**config: Any) -> str:
@@ -160,7 +201,7 @@ def evaluate(
     goals: Sequence[str] = ("misclassify", "max_confidence", "min_norm"),
     seed: int = 0,
     batch_size: int = 256,
-    quantize: bool = True,
+    judging: str = "auto",
     unroll: int | bool = 1,
     restart_mode: str = "vmap",
     mesh: Mesh | None | str = "auto",
@@ -180,7 +221,8 @@ def evaluate(
       goals: goals to track; ``misclassify`` always is.
       seed: example ``i`` draws from ``fold_in(PRNGKey(seed), i)``.
       batch_size: rows per batch; the last batch is padded (masked), so one program serves all.
-      quantize: judge success on 8-bit images.
+      judging: ``"auto"``, ``"grid"`` or ``"float"`` (see :mod:`jaxbundle.judge`); the metrics'
+        ``judging`` entry says how the examples were judged and the radius that allows.
       unroll, restart_mode: see :func:`jaxbundle.bundler.bundle`.
       mesh: ``"auto"`` (every device, of every process under ``jax.distributed``), ``None`` (no
         sharding) or a 1-D ``Mesh`` whose axis is named ``"batch"``; ``batch_size`` must divide
@@ -190,11 +232,13 @@ def evaluate(
       progress: called as ``progress(batches_done, batches_total)``.
 
     Returns:
-      An :class:`Evaluation`.
+      An :class:`Evaluation`. ``per_example["x_adv"]`` is uint8 when every example was judged
+      on the 8-bit grid, else float32 (the judged images exactly).
     """
     norms.check_norm(norm)
     attacks = check_attacks(attacks, norm)
     goal_names = goals_for(goals, attacks)
+    judge.check_judging(judging)
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     x = np.asarray(x)
@@ -202,7 +246,7 @@ def evaluate(
     n = int(x.shape[0]) if x.ndim else 0
     if n == 0:
         raise ValueError("the dataset is empty")
-    check_inputs(apply_fn, params, x, y, eps)
+    check_inputs(apply_fn, params, x, y, eps, judging=judging)
     if mesh == "auto":
         mesh = default_mesh()
     if mesh is None:
@@ -219,7 +263,10 @@ def evaluate(
     key = jax.random.key(seed)
     names = tuple(a.name for a in attacks)
     black_box = tuple(a.black_box for a in attacks)
-    counts = Counts.empty(len(attacks))
+    eps_value = float(eps)
+    all_on_grid = judging != "float" and bool(np.all(norms.on_grid(x.astype(np.float32))))
+    # Host-side state only (numpy): counts are summed here, never by eager ops on global arrays.
+    counts = jax.tree.map(np.asarray, Counts.empty(len(attacks)))
     chunks: dict[str, list[np.ndarray]] = {}
     start = 0
     ckpt_path = None
@@ -228,7 +275,7 @@ def evaluate(
         ckpt_path = os.path.join(checkpoint_dir, "checkpoint.npz")
         fingerprint = _fingerprint(
             attacks=attacks, eps=eps, norm=norm, goals=goal_names, seed=seed, n=n,
-            batch_size=batch_size, quantize=quantize,
+            batch_size=batch_size, judging=judging,
             data=hashlib.sha256(x.tobytes() + y.tobytes()).hexdigest(),
         )
         if os.path.exists(ckpt_path):
@@ -239,7 +286,7 @@ def evaluate(
                         "settings); use another checkpoint_dir or delete it"
                     )
                 start = int(saved["batches_done"])
-                counts = Counts(*(jnp.asarray(saved[f"counts_{f}"]) for f in Counts._fields))
+                counts = Counts(*(saved[f"counts_{f}"] for f in Counts._fields))
                 chunks = {k[4:]: [saved[k]] for k in saved.files if k.startswith("out_")}
         if jax.process_count() > 1:
             multihost_utils.assert_equal(
@@ -247,24 +294,26 @@ def evaluate(
                 "file system that every process shares"
             )
 
-    eps_value = float(eps)
     for index, batch in enumerate(data_lib.batches(x, y, batch_size, start=start), start=start):
         arrays = (batch.x.astype(np.float32), batch.y.astype(np.int32), batch.example_id, batch.mask)
         if sharding is not None:
             arrays = tuple(jax.device_put(a, sharding) for a in arrays)
         bx, by, bid, bmask = arrays
-        result = bundle(
-            attacks, apply_fn, params, bx, by, key, eps=eps_value, norm=norm, goals=goal_names,
-            example_id=bid, quantize=quantize, unroll=unroll, restart_mode=restart_mode,
-            validate=False,
+        batch_counts, outputs = _evaluate_batch(
+            params, bx, by, key, bid, bmask, jnp.float32(eps_value), apply_fn=apply_fn,
+            attacks=attacks, goal_names=goal_names, norm=norm, judging=judging, unroll=unroll,
+            restart_mode=restart_mode, mesh=mesh,
         )
-        counts = counts.merge(Counts.from_result(result, bmask, eps_value, black_box))
-        eps_b = jnp.full(by.shape, eps_value, jnp.float32)
+        # Every output is replicated: each process reads its own full copy.
+        counts = counts.merge(jax.tree.map(np.asarray, batch_counts))
         real = np.asarray(batch.mask)
-        for k, v in per_example_arrays(result, bx, eps_b, black_box).items():
-            chunks.setdefault(k, []).append(to_host(v)[real])
+        for k, v in outputs.items():
+            v = np.asarray(v)[real]
+            if k == "x_adv" and all_on_grid:
+                v = np.round(v * norms.PIXEL_LEVELS).astype(np.uint8)
+            chunks.setdefault(k, []).append(v)
         if ckpt_path is not None and jax.process_index() == 0:
-            state = {f"counts_{f}": to_host(v) for f, v in zip(Counts._fields, counts)}
+            state = {f"counts_{f}": v for f, v in zip(Counts._fields, counts)}
             state.update({f"out_{k}": np.concatenate(v) for k, v in chunks.items()})
             _save_checkpoint(
                 ckpt_path, dict(state, batches_done=index + 1, fingerprint=fingerprint)
@@ -276,5 +325,13 @@ def evaluate(
     per_example["label"] = y
     metrics = counts.compute(names, black_box)
     metrics.update(eps=eps_value, norm=norm, seed=seed, goals=list(goal_names))
+    on_grid = metrics.pop("grid_judged")
+    metrics["judging"] = {
+        "mode": judging,
+        "grid_examples": on_grid,
+        "float_examples": n - on_grid,
+        "grid_radius": norms.grid_radius(eps_value, norm),
+        "statement": judge.statement(judging, eps_value, norm, on_grid, n),
+    }
     metrics.update(curve_metrics(per_example, attacks, norm))
     return Evaluation(metrics=metrics, per_example=per_example, attack_names=names)

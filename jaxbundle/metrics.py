@@ -44,6 +44,7 @@ class Counts(NamedTuple):
     confident_failures: jax.Array  # [T] wrong with confidence >= threshold (max_confidence)
     kind_correct: jax.Array  # [2] correct under every white-box / every black-box attack
     black_box_only: jax.Array  # fooled by a black-box attack and by no white-box attack
+    grid_judged: jax.Array  # judged on the 8-bit grid (the others in float32)
 
     @classmethod
     def empty(cls, num_attacks: int) -> "Counts":
@@ -56,6 +57,7 @@ class Counts(NamedTuple):
             confident_failures=jnp.zeros((len(CONFIDENCE_THRESHOLDS),), jnp.int32),
             kind_correct=jnp.zeros((2,), jnp.int32),
             black_box_only=zero,
+            grid_judged=zero,
         )
 
     @classmethod
@@ -89,10 +91,12 @@ class Counts(NamedTuple):
             confident_failures=confident,
             kind_correct=count(clean_correct[None, :] & ~jnp.stack([by_white, by_black])),
             black_box_only=count(clean_correct & by_black & ~by_white),
+            grid_judged=count(result.judged_on_grid),
         )
 
     def merge(self, other: "Counts") -> "Counts":
-        return jax.tree.map(jnp.add, self, other)
+        """Adds the counts (jax or numpy arrays: numpy stays on the host)."""
+        return jax.tree.map(lambda a, b: a + b, self, other)
 
     def compute(self, attack_names: Sequence[str], black_box: Sequence[bool] | None = None) -> dict:
         """Figures in percent; ``attack_names`` label the MAT rows; ``black_box`` as in
@@ -121,6 +125,7 @@ class Counts(NamedTuple):
             "white_box_robust_accuracy": pct(c.kind_correct[0]) if any_white else None,
             "black_box_robust_accuracy": pct(c.kind_correct[1]) if any_black else None,
             "black_box_only": int(c.black_box_only),
+            "grid_judged": int(c.grid_judged),
         }
 
 

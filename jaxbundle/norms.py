@@ -22,9 +22,15 @@ __all__ = [
     "project",
     "normalize",
     "quantize",
+    "snap_to_grid",
+    "on_grid",
+    "grid_radius",
     "PIXEL_LEVELS",
+    "GRID_ATOL",
     "per_example",
+    "tree_where",
     "in_ball",
+    "ball_limit",
     "BALL_RTOL",
     "BALL_ATOL",
 ]
@@ -35,6 +41,9 @@ NORMS = ("linf", "l2", "l1")
 BALL_RTOL = 1e-5
 BALL_ATOL = 1e-6
 PIXEL_LEVELS = 255  # an 8-bit image has 256 values: k / 255 for k = 0..255
+# A pixel within this many levels of k / 255 counts as on the grid (float32 rounding of
+# x / 255 is ~1e-5 levels; resized or augmented pixels fall anywhere between levels).
+GRID_ATOL = 1e-3
 
 
 def check_norm(name: str) -> str:
@@ -53,6 +62,12 @@ def per_example(v: jax.Array, x: jax.Array) -> jax.Array:
     return v.reshape((-1,) + (1,) * (x.ndim - 1))
 
 
+def tree_where(take: jax.Array, a, b):
+    """Per example (``take`` ``[B]``), the leaves of pytree ``a`` where ``take`` holds, else of
+    ``b`` (leaves with a leading batch axis)."""
+    return jax.tree.map(lambda u, v: jnp.where(per_example(take, u), u, v), a, b)
+
+
 def norm(delta: jax.Array, name: str) -> jax.Array:
     """Per-example Lp norm of ``delta`` (shape ``[B, ...]``), returned as ``[B]``."""
     flat = _flat(delta)
@@ -68,7 +83,7 @@ def norm(delta: jax.Array, name: str) -> jax.Array:
 
 def in_ball(delta: jax.Array, eps: float | jax.Array, name: str) -> jax.Array:
     """Per-example ``||delta|| <= eps`` up to float32 slack (:data:`BALL_RTOL`, :data:`BALL_ATOL`)."""
-    return norm(delta, name) <= jnp.asarray(eps) * (1 + BALL_RTOL) + BALL_ATOL
+    return norm(delta, name) <= ball_limit(eps)
 
 
 def _project_l1(flat: jax.Array, eps: jax.Array) -> jax.Array:
@@ -147,40 +162,189 @@ def normalize(g: jax.Array, name: str) -> jax.Array:
     raise ValueError(f"unknown norm {name!r}; expected one of {NORMS}")
 
 
+# ---------------------------------------------------------------------------------------------
+# The 8-bit pixel grid.
+#
+# Grid values come from a table computed in numpy: XLA's k / 255 is not always the correctly
+# rounded float32 that uint8 / 255 gives, and a clean image must map to itself exactly.
+_GRID = np.arange(PIXEL_LEVELS + 1, dtype=np.float32) / np.float32(PIXEL_LEVELS)
+
+
+def _grid_value(k: jax.Array) -> jax.Array:
+    """float32 pixel values of integer levels ``k`` (float or int), clipped to ``[0, 255]``."""
+    return jnp.asarray(_GRID)[jnp.clip(k, 0, PIXEL_LEVELS).astype(jnp.int32)]
+
+
+def on_grid(x0: jax.Array) -> jax.Array:
+    """Per example ``[B]``: whether every pixel of ``x0`` is an 8-bit level ``k / 255``.
+
+    Works on jax arrays (inside jit) and on numpy arrays (on the host, the same arithmetic).
+
+    A pixel within :data:`GRID_ATOL` of a level counts as on it, so that ``x / 255`` computed
+    in float32 by any pipeline (XLA's division may be one ulp off numpy's) is recognised, while
+    resized, blurred or augmented images (whose pixels fall between levels) are not.
+    """
+    xp = np if isinstance(x0, np.ndarray) else jnp  # also on the host, for whole datasets
+    levels = x0 * np.float32(PIXEL_LEVELS)
+    return xp.all((xp.abs(levels - xp.round(levels)) <= GRID_ATOL).reshape(len(x0), -1), axis=1)
+
+
+def ball_limit(eps: float | jax.Array) -> jax.Array:
+    """The largest norm that counts as inside the eps ball: ``eps`` plus float32 slack."""
+    return jnp.asarray(eps, jnp.float32) * (1 + BALL_RTOL) + BALL_ATOL
+
+
+def _linf_levels(nearest: jax.Array, x0: jax.Array, limit: jax.Array) -> jax.Array:
+    """``nearest`` (levels) clipped, pixel by pixel, to the levels within ``limit`` of ``x0``.
+
+    The admissible levels of a pixel are an interval: ``[ceil(255 (x0 - limit)),
+    floor(255 (x0 + limit))]`` in exact arithmetic. The float32 bounds are then checked with the
+    very subtraction :func:`in_ball` makes and moved by one level where they disagree, so the
+    result passes :func:`in_ball` whenever an admissible level exists. Where none does (``x0``
+    off the grid and ``eps`` under half a level) the pixel is marked ``nan``.
+    """
+    top = jnp.float32(PIXEL_LEVELS)
+    hi = jnp.clip(jnp.floor((x0 + limit) * PIXEL_LEVELS), 0.0, top)
+    lo = jnp.clip(jnp.ceil((x0 - limit) * PIXEL_LEVELS), 0.0, top)
+    inside = lambda k: jnp.abs(_grid_value(k) - x0) <= limit  # noqa: E731
+    hi = jnp.where(inside(hi), hi, hi - 1)
+    hi = jnp.where((hi < top) & inside(hi + 1), hi + 1, hi)
+    lo = jnp.where(inside(lo), lo, lo + 1)
+    lo = jnp.where((lo > 0) & inside(lo - 1), lo - 1, lo)
+    return jnp.where(lo <= hi, jnp.clip(nearest, lo, hi), jnp.nan)
+
+
+def _toward_levels(x: jax.Array, x0: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``(j, steps, toward)``: the level of ``x0``, ``x - x0`` in levels, and ``x`` rounded
+    towards ``x0`` (never further from it than ``x``, up to 1e-4 of a level that keeps a float
+    0.99997 of a level from truncating to 0)."""
+    j = jnp.round(x0 * PIXEL_LEVELS)
+    steps = (x - x0) * PIXEL_LEVELS
+    toward = jnp.clip(j + jnp.trunc(steps + jnp.sign(steps) * 1e-4), 0.0, PIXEL_LEVELS)
+    return j, steps, toward
+
+
+def _fit_levels(x: jax.Array, x0: jax.Array, eps: jax.Array, name: str) -> jax.Array:
+    """The L2 / L1 rounding of rows ``[B, D]`` (in levels) that keeps the perturbation's norm.
+
+    Every pixel takes one of the two levels around it: ``t``, towards ``x0`` (``j`` its level),
+    or ``a = t +- 1``, away from it (pixels already on a level have only ``t``). Starting from
+    all ``t`` (inside the ball whenever ``x`` is, for ``x0`` on the grid), pixels are turned to
+    ``a`` in increasing order of the cost ``|a - x| - |t - x|`` (negative where ``a`` is the
+    nearer level) for as long as the norm stays within ``eps`` and within the larger of nearest
+    rounding's norm and the candidate's own. So the result is nearest rounding wherever that
+    fits, with only the cheapest pixels kept towards ``x0`` where it does not; and where
+    nearest rounding would lose norm (every pixel a third of a level past a level, say), the
+    cheapest pixels are rounded away until the candidate's norm is restored.
+    """
+    j, steps, toward = _toward_levels(x, x0)
+    t = toward - j
+    direction = jnp.sign(steps)
+    away = jnp.clip(toward + direction, 0.0, PIXEL_LEVELS)
+    can = (jnp.abs(steps) - jnp.abs(t) > 1e-4) & (away != toward)
+    a = away - j
+    # Nearest rounding picks a where a is the nearer level (ties: as jnp.round decides).
+    picks_a = can & (jnp.round(x * PIXEL_LEVELS) == away)
+    nearest = jnp.where(picks_a, a, t)
+    # The cost |a - x| - |t - x| lies in [-1, 1]; those nearest rounding sends away come first.
+    cost = jnp.abs(a - steps) - jnp.abs(t - steps) + jnp.where(picks_a, -2.0, 2.0)
+    cost = jnp.where(can, cost, jnp.inf)
+    # Per pixel: its share of the squared L2 norm, or of the L1 norm, in levels.
+    mag = jnp.square if name == "l2" else jnp.abs
+    size = lambda v: jnp.sum(mag(v), axis=1)  # noqa: E731
+    ball = (eps * PIXEL_LEVELS) ** 2 if name == "l2" else eps * PIXEL_LEVELS
+    # Up to nearest rounding's norm, or the candidate's own where rounding would lose some:
+    # never beyond the ball, never a stretch of what the attack made.
+    budget = jnp.minimum(ball, jnp.maximum(size(nearest), size(steps)))
+    base = size(t)
+    grow = jnp.where(can, mag(a) - mag(t), 0.0)
+    order = jnp.argsort(cost, axis=1)
+    total = base[:, None] + jnp.cumsum(jnp.take_along_axis(grow, order, axis=1), axis=1)
+    count = jnp.sum(total <= budget[:, None], axis=1)  # total only grows: a prefix fits
+    turn_sorted = jnp.arange(x.shape[1])[None, :] < count[:, None]
+    rows = jnp.arange(x.shape[0])[:, None]
+    turn = jnp.zeros_like(can).at[rows, order].set(turn_sorted)
+    return jnp.where(turn & can, away, toward)
+
+
 def quantize(
     x: jax.Array,
     x0: jax.Array,
     eps: float | jax.Array | None = None,
     name: str = "linf",
-    levels: int = PIXEL_LEVELS,
 ) -> jax.Array:
-    """Rounds ``x`` to the pixel grid ``k / levels`` without leaving the box or the eps ball.
+    """Rounds ``x`` to the 8-bit grid ``k / 255``, inside the box and (with ``eps``) the eps ball.
 
-    Rounding to the nearest grid value can push a perturbation just outside the eps ball
-    (e.g. Linf eps 0.3 = 76.5/255). For examples where that happens, each pixel is rounded
-    towards ``x0`` instead; when ``x0`` lies on the grid (8-bit data) this never increases any
-    ``|x - x0|_i``, so the result stays inside every Lp ball that held ``x``.
+    Without ``eps``: nearest rounding. With ``eps``, the nearest grid image inside the ball:
+
+    * Linf: each pixel is rounded to the nearest level within ``eps`` of ``x0`` (the exact
+      projection of the rounding onto the grid points of the ball and the box, so a pixel at
+      the edge of the ball keeps every whole level of it; ``x0`` may be off the grid). A pixel
+      with no such level (``x0`` off the grid and ``eps`` below half a level) keeps ``x0``.
+    * L2 and L1: each pixel takes one of the two levels around it, nearest rounding where that
+      fits the ball, the cheapest pixels towards ``x0`` where it does not, and the cheapest
+      away from ``x0`` where rounding would otherwise lose norm (:func:`_fit_levels`): a
+      perturbation on the boundary keeps nearly all of its norm. Guaranteed inside the ball
+      for ``x0`` on the grid and ``x`` in the ball; a result still outside (``x0`` off the
+      grid) falls back to the level of ``x0``.
+
+    The clean image of an on-grid ``x0`` maps to itself exactly.
 
     Args:
       x: images ``[B, ...]`` in the box.
       x0: the clean images ``[B, ...]``.
       eps: radius (scalar or ``[B]``) of the ball to respect, or ``None`` for none.
       name: the norm of that ball.
-      levels: number of grid steps between 0 and 1.
 
     Returns:
-      Images on the grid, in the box, and in the ball wherever ``x`` and ``x0`` allow it.
+      float32 images on the grid (but for the Linf fallback above), in the box and the ball.
     """
-    # Grid values from a table computed in numpy: XLA's k / 255 is not always the correctly
-    # rounded float32 that uint8 / 255 gives, and a clean image must map to itself exactly.
-    grid = jnp.asarray(np.arange(levels + 1, dtype=np.float32) / np.float32(levels))
-    on_grid = lambda k: grid[jnp.clip(k, 0, levels).astype(jnp.int32)]  # noqa: E731
-    nearest = on_grid(jnp.round(x * levels))
+    check_norm(name)
+    nearest = jnp.clip(jnp.round(x * PIXEL_LEVELS), 0.0, PIXEL_LEVELS)
     if eps is None:
-        return nearest
-    steps = (x - x0) * levels
-    # Truncate towards x0; the 1e-4 keeps a float 0.99997 of a level from truncating to 0.
-    towards = on_grid(jnp.round(x0 * levels) + jnp.trunc(steps + jnp.sign(steps) * 1e-4))
-    eps = jnp.broadcast_to(jnp.asarray(eps, x.dtype), x.shape[:1])
-    outside = ~in_ball(nearest - x0, eps, name)
-    return jnp.where(per_example(outside, x), towards, nearest)
+        return _grid_value(nearest)
+    eps = jnp.broadcast_to(jnp.asarray(eps, jnp.float32), x.shape[:1])
+    limit = ball_limit(eps)
+    if name == "linf":
+        k = _linf_levels(nearest, x0, per_example(limit, x))
+        return jnp.where(jnp.isnan(k), x0, _grid_value(jnp.nan_to_num(k)))
+    k = _fit_levels(_flat(x), _flat(x0), eps, name).reshape(x.shape)
+    # x0 off the grid, or x outside the ball: fall back to x0's own level (x0 itself on the grid).
+    fits = in_ball(_grid_value(k) - x0, eps, name)
+    return _grid_value(jnp.where(per_example(fits, x), k, jnp.round(x0 * PIXEL_LEVELS)))
+
+
+def snap_to_grid(
+    x: jax.Array,
+    x0: jax.Array,
+    eps: float | jax.Array | None = None,
+    name: str = "linf",
+    grid: jax.Array | None = None,
+) -> jax.Array:
+    """:func:`quantize` for the examples judged on the 8-bit grid, ``x`` unchanged for the
+    others (judged in float32).
+
+    ``grid`` ``[B]`` says which examples are judged on the grid (an attack gets it from its
+    model object, ``model.grid``); ``None``: those whose clean image ``x0`` is on the grid.
+    This is how attacks that search on the pixel grid, and natural shifts, follow the
+    bundle's judging of each example.
+    """
+    grid = on_grid(x0) if grid is None else grid
+    return jnp.where(per_example(grid, x), quantize(x, x0, eps, name), x)
+
+
+def grid_radius(eps: float | jax.Array, name: str) -> float | jax.Array:
+    """The largest ``name`` distortion of an 8-bit image from an 8-bit clean image within
+    ``eps`` (away from the box): whole levels, e.g. ``7/255`` for Linf eps 0.031. For L2 it is
+    ``sqrt(m)/255`` with ``m`` the largest integer under ``(255 eps)^2`` (every integer is a sum
+    of four squares). On the grid, the ball of radius ``grid_radius(eps)`` holds exactly the
+    images of the ball of radius ``eps``. A float gives a float, an array (traced) an array.
+    """
+    check_norm(name)
+    if isinstance(eps, (jax.Array, jax.core.Tracer)):
+        xp, limit = jnp, ball_limit(eps) * PIXEL_LEVELS
+    else:
+        xp, limit = np, (float(eps) * (1 + BALL_RTOL) + BALL_ATOL) * PIXEL_LEVELS
+    levels = xp.sqrt(xp.floor(limit**2)) if name == "l2" else xp.floor(limit)
+    radius = levels / PIXEL_LEVELS
+    return radius if xp is jnp else float(radius)

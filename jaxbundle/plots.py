@@ -310,7 +310,7 @@ def example_grid(
     classified examples that an attack fooled, with the label, the adversarial prediction and
     the distortion; a third row shows the perturbation, amplified. ``x_clean``: float
     ``[n, H, W, C]`` in [0, 1] (C = 1: grayscale, 3: RGB); ``per_example`` as in the report
-    (``x_adv`` uint8)."""
+    (``x_adv`` uint8 or float32)."""
     title = "Adversarial examples"
     x_clean = np.asarray(x_clean, np.float64)
     x_adv = np.asarray(per_example["x_adv"])

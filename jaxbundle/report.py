@@ -29,6 +29,8 @@ Schema of ``report.json`` (version 1)::
                      "relative_robustness": float | null}}},          # unless --no-shifts
           "figures": {"<figure>": "<file>.png"},
           "eps": float, "norm": str, "seed": int, "goals": [str],
+          "judging": {"mode": "auto" | "grid" | "float", "grid_examples": int,
+                      "float_examples": int, "grid_radius": float, "statement": str},
           "per_example": "<model>.npz",
           "seconds": float
         }
@@ -40,7 +42,8 @@ Each ``<model>.npz`` holds arrays of length ``n_examples``: ``label``, ``clean_p
 adversarial image), ``winning_attack`` (index into ``attack_names``; -1 = the clean image),
 ``winning_restart``, ``winning_step``, ``attack_success`` (``[n, A]``), ``gradients``,
 ``queries`` (black-box model queries), ``black_box_only`` (bool: fooled only by black-box attacks),
-``x_adv`` (uint8 adversarial images), ``max_wrong_confidence`` and ``min_distortion``
+``judged_on_grid`` (bool), ``x_adv`` (the judged adversarial images: uint8 when every example
+was judged on the 8-bit grid, else float32), ``max_wrong_confidence`` and ``min_distortion``
 (``inf`` where no misclassified candidate was found), ``attack_distortion`` (``[n, A]``, each
 attack's smallest verified adversarial distortion, ``inf``: none), ``min_distortion_white_box``
 / ``_black_box`` / ``_bundled``, ``clean_wrong_confidence``, and ``attack_names``.
@@ -180,6 +183,8 @@ def markdown(report: dict) -> str:
             f"| **bundled robust** | **{_fmt(m['robust_accuracy'])}** | "
             f"**{_fmt(m['relative_robustness'])}** |",
             "",
+            f"Judged: {m['judging']['statement']}.",
+            "",
             f"Fooled only by black-box attacks: {m.get('black_box_only', 0)} examples.",
             "",
         ]
@@ -226,6 +231,7 @@ def print_tables(console: Console, results: dict[str, tuple[Evaluation, float]])
     for name, (evaluation, _) in results.items():
         m = evaluation.metrics
         console.print(table(name, m))
+        console.print(f"  judged: {m['judging']['statement']}", highlight=False)
         half = m.get("half_distortion")
         if half:
             console.print(

@@ -1,8 +1,9 @@
 """Natural distribution shifts (Amich et al.): non-adaptive image transforms at severities 1-5.
 
 Each shift is a pure function ``shift(x, severity, key) -> x'`` on a batch ``[B, H, W, C]`` in
-[0, 1]; it never sees the model. The result is clipped to the box and rounded to the 8-bit
-grid, like a real image. Severity 0 is the identity.
+[0, 1]; it never sees the model. The result is clipped to the box and, for an image on the
+8-bit grid, rounded to the grid like a real image (off-grid images stay in float32, as the
+bundle judges them). Severity 0 is the identity.
 
 ``darkness``     ``x * (1 - 0.15 s)``: a darker exposure (Amich et al.'s "darkness").
 ``sharpness``    PIL-style sharpness enhancement ``smooth + (1 + s)(x - smooth)`` with PIL's
@@ -92,14 +93,15 @@ SHIFTS: dict[str, Callable[[jax.Array, int, jax.Array], jax.Array]] = {
 
 @functools.partial(jax.jit, static_argnames=("name", "severity"))
 def apply_shift(x: jax.Array, keys: jax.Array, *, name: str, severity: int) -> jax.Array:
-    """``x`` ``[B, H, W, C]`` shifted by ``name`` at ``severity`` (0: unchanged), on the grid.
+    """``x`` ``[B, H, W, C]`` shifted by ``name`` at ``severity`` (0: unchanged), on the grid
+    where ``x`` is.
 
     ``keys`` holds one PRNG key per example (used by ``noise`` only).
     """
     if severity == 0:
         return x
     shifted = SHIFTS[name](x.astype(jnp.float32), severity, keys)
-    return norms.quantize(norms.project_box(shifted), x)
+    return norms.snap_to_grid(norms.project_box(shifted), x)
 
 
 def evaluate_shifts(

@@ -63,6 +63,7 @@ def transfer_bundle(
     eps: float,
     norm: str = "linf",
     example_id: jax.Array | None = None,
+    judging: str = "auto",
 ) -> TransferResult:
     """Crafts candidates on ``surrogates`` with ``attacks`` and judges the voted one on the target.
 
@@ -70,7 +71,8 @@ def transfer_bundle(
       attacks: white-box attacks run on each surrogate (as in :func:`jaxbundle.bundle`).
       surrogates: ``(apply_fn, params)`` pairs the attacker owns.
       apply_fn, params: the target model, evaluated once per example on the chosen candidate.
-      x, y, key, eps, norm, example_id: as in :func:`jaxbundle.bundle`.
+      x, y, key, eps, norm, example_id, judging: as in :func:`jaxbundle.bundle` (the
+        surrogates' bundles judge the candidates; the chosen one is re-checked on the target).
 
     Returns:
       A :class:`TransferResult`.
@@ -82,7 +84,8 @@ def transfer_bundle(
     y = jnp.asarray(y, jnp.int32)
     candidates = []
     for s_apply, s_params in surrogates:
-        r = bundle(attacks, s_apply, s_params, x, y, key, eps=eps, norm=norm, example_id=example_id)
+        r = bundle(attacks, s_apply, s_params, x, y, key, eps=eps, norm=norm,
+                   example_id=example_id, judging=judging)
         candidates.append(r.best["misclassify"].x)
     cands = jnp.stack(candidates)  # [C, B, ...]
     fools = jnp.stack(

@@ -97,7 +97,7 @@ def _linear_success(attack, norm, seed=4):
     dist = min_distance(params, x, y, norm)
     eps = float(np.median(dist))
     r = bundle([attack], linear_apply, params, images(x), jnp.asarray(y), KEY, eps=eps,
-               norm=norm, quantize=False)
+               norm=norm, judging="float")
     assert np.all(np.asarray(norms.in_ball(r.best["misclassify"].x - images(x), eps, norm)))
     return np.asarray(r.attack_success[0]), dist, eps
 

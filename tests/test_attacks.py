@@ -165,7 +165,7 @@ def test_fgsm_is_exact_on_binary_linear_model(norm):
     eps = float(np.median(dist))
     r = bundle(
         [attacks.fgsm(norm)], linear_apply, params, images(x), jnp.asarray(y), KEY,
-        eps=eps, norm=norm, quantize=False,
+        eps=eps, norm=norm, judging="float",
     )
     success = np.asarray(r.attack_success[0])
     clear = np.abs(dist - eps) > 1e-3 * eps
@@ -185,7 +185,7 @@ def test_pgd_succeeds_where_the_analytic_distance_allows(norm, classes):
     attack = attacks.pgd(norm, loss="margin", steps=50, restarts=2)
     r = bundle(
         [attack], linear_apply, params, images(x), jnp.asarray(y), KEY, eps=eps, norm=norm,
-        quantize=False,
+        judging="float",
     )
     success = np.asarray(r.attack_success[0])
     # Sound: nothing can succeed beyond the exact minimal distance.
@@ -198,21 +198,21 @@ def test_pgd_succeeds_where_the_analytic_distance_allows(norm, classes):
 
 
 @pytest.mark.parametrize("norm", ["linf", "l2"])
-@pytest.mark.parametrize("quantize", [False, True])
-def test_min_norm_goal_never_beats_the_analytic_minimum(norm, quantize):
+@pytest.mark.parametrize("judging", ["float", "grid"])
+def test_min_norm_goal_never_beats_the_analytic_minimum(norm, judging):
     params, x, y = linear_problem(n=100, k=4, seed=4)
     dist = min_distance(params, x, y, norm)
     eps = float(np.quantile(dist, 0.8))
     r = bundle(
         [attacks.pgd(norm, loss="margin", steps=30, restarts=2)], linear_apply, params,
         images(x), jnp.asarray(y), KEY, eps=eps, norm=norm, goals=("min_norm",),
-        quantize=quantize,
+        judging=judging,
     )
     best = r.best["min_norm"].score
     found = np.asarray(best.misclassified)
     # Rounding to the pixel grid costs up to 1/255 per pixel; these toy distances are tightly
     # clustered just below eps, so only the unquantised run must find most of them.
-    assert found.sum() > (60 if not quantize else 30)
+    assert found.sum() > (60 if judging == "float" else 30)
     assert np.all(np.asarray(best.distortion)[found] >= dist[found] * (1 - 1e-4))
     # The min-norm goal keeps at least every success of the misclassify goal.
     assert np.all(found[np.asarray(r.attack_success[0])])
@@ -260,3 +260,15 @@ def test_black_box_oracles_expose_only_what_the_threat_model_allows():
     assert float(jnp.abs(g).max()) == 0.0
     assert isinstance(threat_model("score-based", linear_apply, params), ScoreOracle)
     assert isinstance(threat_model("decision-based", linear_apply, params), LabelOracle)
+
+
+def test_an_unknown_kind_is_an_error_not_white_box_access():
+    """A typo in an attack's kind must never hand it gradients (it used to fail open)."""
+    from jaxbundle.bundler import check_attacks
+
+    params = linear_problem(n=4)[0]
+    with pytest.raises(ValueError, match="unknown attack kind 'score based'"):
+        threat_model("score based", linear_apply, params)
+    typo = attacks.square(queries=10)._replace(kind="scorebased")
+    with pytest.raises(ValueError, match="'square' has unknown kind 'scorebased'"):
+        check_attacks([typo], "linf")

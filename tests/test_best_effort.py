@@ -22,7 +22,7 @@ def test_fgsm_best_effort_on_a_binary_linear_model_is_the_exact_distance(norm):
     d = min_distance(params, x, y, norm)
     eps_max = float(np.quantile(d, 0.75))
     r = best_effort([attacks.fgsm(norm)], linear_apply, params, images(x), jnp.asarray(y), KEY,
-                    eps_max=eps_max, norm=norm, iterations=12, quantize=False)
+                    eps_max=eps_max, norm=norm, iterations=12, judging="float")
     dist = np.asarray(r.distortion)
     reachable = d < eps_max * 0.999
     assert np.all(np.isinf(dist[d > eps_max * 1.001]))

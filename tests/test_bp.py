@@ -29,7 +29,7 @@ def _best_ratio(params, x, y, attack):
     """The bundler's min-norm best distortion over the analytic minimum, and its success."""
     r = bundle(
         [attack], linear_apply, params, images(x), jnp.asarray(y), KEY,
-        eps=1.0, norm="l2", quantize=False,
+        eps=1.0, norm="l2", judging="float",
     )
     best = r.best["min_norm"].score
     ratio = np.asarray(best.distortion) / min_distance(params, x, y, "l2")
@@ -44,7 +44,7 @@ def test_factory_defaults():
     assert isinstance(attack, Attack)
     assert (attack.name, attack.kind, attack.norm, attack.goal) == ("bp", "white-box", "l2", "min_norm")
     assert (attack.num_steps, attack.num_restarts, attack.gradients_per_step) == (100, 1, 1)
-    assert attack.config == BPConfig(100, 33, 0.7, 1.0, 1e-3, False)
+    assert attack.config == BPConfig(100, 33, 0.7, 1.0, 1e-3, True)  # follows the judging
     assert attack == bp() and hash(attack) == hash(bp()), "equal attacks share the jit cache"
     assert bp(steps=2).config.kappa == 1
     assert bp(name="bp-20", steps=20).name == "bp-20"
@@ -131,18 +131,20 @@ def test_iterates_and_candidates_stay_in_the_box(quantize):
 
 
 def test_deterministic_and_examples_independent():
-    attack = bp(steps=20)
+    attack = bp(quantize=False, steps=20)
     model, x, y, _, _, _ = _setup()
     a = _run(attack, model, x, y)[0][-1].x
     b = _run(attack, model, x, y)[0][-1].x
     np.testing.assert_array_equal(a, b)
-    # An example's walk does not depend on the rest of the batch.
+    # An example's walk does not depend on the rest of the batch, up to float32 rounding
+    # (XLA:CPU's matmul kernels differ by batch size; 20 steps amplify that to ~4e-5 on some
+    # CPUs), far below one pixel level (3.9e-3).
     sub = _run(attack, model, x[3:7], y[3:7])[0][-1].x
-    np.testing.assert_allclose(sub, a[3:7], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(sub, a[3:7], rtol=0, atol=2e-4)
 
 
 def test_vmappable_over_restarts():
-    attack = bp(steps=5)
+    attack = bp(quantize=False, steps=5)
     model, x, y, _, _, _ = _setup()
     eps = jnp.ones(16)
 
@@ -163,7 +165,7 @@ def test_vmappable_over_restarts():
 def test_stage1_cancels_the_loss_linearly_by_kappa():
     # RoBIC's step: on a linear model the loss falls as l0 (kappa - k) / kappa, and the
     # iterate first becomes adversarial at step kappa.
-    attack = bp(steps=30)
+    attack = bp(quantize=False, steps=30)
     kappa = attack.config.kappa
     model, x, y, _, _, _ = _setup()
     _, cands = _run(attack, model, x, y)
@@ -174,7 +176,7 @@ def test_stage1_cancels_the_loss_linearly_by_kappa():
 
 
 def test_already_misclassified_example_stays_at_x0():
-    attack = bp(steps=10)
+    attack = bp(quantize=False, steps=10)
     model, x, y, _, _, _ = _setup()
     wrong = (y + 1) % 4
     states, cands = _run(attack, model, x, wrong)
@@ -185,7 +187,7 @@ def test_already_misclassified_example_stays_at_x0():
 @pytest.mark.parametrize("seed, classes", [(0, 4), (1, 10)])
 def test_linear_oracle_default_budget(seed, classes):
     params, x, y = linear_problem(seed=seed, n=64, k=classes)
-    ratio, success = _best_ratio(params, x, y, bp())
+    ratio, success = _best_ratio(params, x, y, bp(quantize=False))
     assert success.all(), "every example is attacked successfully"
     assert np.all(ratio >= 1 - 1e-4), "never beats the analytic minimum (up to float32)"
     assert np.all(ratio <= 1.01)  # measured: max 1.00001 (seed 0), 1.0002 (seed 1)
@@ -194,14 +196,14 @@ def test_linear_oracle_default_budget(seed, classes):
 
 def test_linear_oracle_small_budgets():
     params, x, y = linear_problem(seed=0, n=64)
-    ratio, success = _best_ratio(params, x, y, bp(steps=5))
+    ratio, success = _best_ratio(params, x, y, bp(quantize=False, steps=5))
     assert success.all() and np.all(ratio <= 1.01)  # measured max 1.00014
 
 
 def test_walk_reaches_one_percent_right_after_stage1():
     # With K = 100 the first adversarial iterate comes at step kappa = 33 (by design of the
     # stage-1 step); the boundary walk is within 1% of the minimum from there on.
-    attack = bp(steps=100)
+    attack = bp(quantize=False, steps=100)
     model, x, y, params, xf, yf = _setup(n=32)
     dmin = min_distance(params, xf, yf, "l2")
     _, cands = _run(attack, model, x, y)
@@ -228,13 +230,13 @@ def test_success_never_lost_on_a_nonlinear_model():
 
     x = jnp.asarray(0.5 + 0.3 * rng.uniform(-1, 1, size=(32, 4, 5, 1)), jnp.float32)
     y = jnp.argmax(mlp(params, x), axis=1)
-    r = bundle([bp(steps=50)], mlp, params, x, y, KEY, eps=1.0, norm="l2", quantize=False)
+    r = bundle([bp(quantize=False, steps=50)], mlp, params, x, y, KEY, eps=1.0, norm="l2", judging="float")
     best = r.best["min_norm"]
     assert np.asarray(best.score.misclassified).all()
     assert np.all(np.asarray(jnp.argmax(mlp(params, best.x), axis=1)) != np.asarray(y))
     # The walk improves on the first adversarial point (where stage 1 overshoots).
     model = WhiteBoxModel(mlp, params)
-    _, cands = _run(bp(steps=50), model, x, y)
+    _, cands = _run(bp(quantize=False, steps=50), model, x, y)
     first = np.full(32, np.inf)
     for c in cands:
         adv = np.asarray(losses.margin(c.logits, y) > 0)
@@ -247,7 +249,7 @@ def test_quantized_walk_survives_the_bundlers_rounding():
     params, x, y = linear_problem(seed=0, n=64)
     r = bundle(
         [bp(quantize=True)], linear_apply, params, images(x), jnp.asarray(y), KEY,
-        eps=1.0, norm="l2", quantize=True,
+        eps=1.0, norm="l2", judging="grid",
     )
     best = r.best["min_norm"].score
     ratio = np.asarray(best.distortion) / min_distance(params, x, y, "l2")

@@ -11,7 +11,8 @@ import pytest
 
 from jaxbundle import attacks, norms
 from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel
-from jaxbundle.bundler import bundle, check_inputs, quantize_min_norm
+from jaxbundle.bundler import bundle, check_inputs
+from jaxbundle.judge import quantize_min_norm
 from jaxbundle.metrics import Counts
 from toys import KEY, images, linear_apply, linear_problem, min_distance
 
@@ -143,13 +144,13 @@ def test_success_is_judged_on_the_quantised_image():
     y = jnp.zeros((1,), jnp.int32)
     eps = 0.4 / 255  # enough to cross 128.2/255 in float, not enough to reach pixel 129
     attack = attacks.pgd(steps=5, random_start=False, step_size=0.2 / 255, loss="margin")
-    raw = bundle([attack], apply, params, x, y, KEY, eps=eps, quantize=False)
+    raw = bundle([attack], apply, params, x, y, KEY, eps=eps, judging="float")
     assert bool(raw.attack_success[0, 0])
-    quantised = bundle([attack], apply, params, x, y, KEY, eps=eps, quantize=True)
+    quantised = bundle([attack], apply, params, x, y, KEY, eps=eps, judging="grid")
     assert not bool(quantised.attack_success[0, 0])
     assert not bool(quantised.best["misclassify"].score.misclassified[0])
     # With eps of one pixel level it does count, and the image is exactly one level up.
-    one_level = bundle([attack.rename("pgd")], apply, params, x, y, KEY, eps=1 / 255, quantize=True)
+    one_level = bundle([attack.rename("pgd")], apply, params, x, y, KEY, eps=1 / 255, judging="grid")
     assert bool(one_level.attack_success[0, 0])
     np.testing.assert_allclose(one_level.best["misclassify"].x[0, 0, 0, 0], 129 / 255, atol=1e-7)
 
@@ -160,7 +161,7 @@ def test_candidates_outside_the_box_are_rejected():
     x = jnp.full((2, 2, 2, 1), 0.98, jnp.float32)
     y = jnp.zeros((2,), jnp.int32)
     cheat = only_row(0, shift=0.05)  # 1.03 > 1: outside the box, inside the 0.1 ball
-    r = bundle([cheat], apply, params, x, y, KEY, eps=0.1, quantize=False)
+    r = bundle([cheat], apply, params, x, y, KEY, eps=0.1, judging="float")
     assert not bool(r.attack_success[0, 0])
     assert not np.asarray(r.best["misclassify"].score.misclassified).any()
 
@@ -242,7 +243,7 @@ def test_min_norm_candidates_survive_rounding_to_the_grid():
     fooled = lambda v: np.asarray(jnp.argmax(model.logits(v), -1) != yy)  # noqa: E731
     assert fooled(xa).all()
     assert fooled(norms.quantize(xa, x0)).mean() < 0.9, "the toy must make plain rounding fail"
-    q = quantize_min_norm(model, xa, x0, yy)
+    q = quantize_min_norm(model, xa, x0, yy, jnp.ones_like(yy, bool))
     assert fooled(q).all()
     np.testing.assert_array_equal(np.round(np.asarray(q) * 255), np.asarray(q) * 255)
     slack = np.sqrt(x.shape[1]) * 0.5 / 255  # half a level on every pixel

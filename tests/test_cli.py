@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jaxbundle.cli import main
-from toys import coordinator_port, run_processes
+from toys import CLI, assert_all_succeeded, coordinator_port, python_command, run_processes
 
 TINY = ["--n", "24", "--train-examples", "300", "--train-epochs", "1", "--steps", "3",
         "--restarts", "2", "--batch-size", "16", "--no-progress"]
@@ -128,12 +128,14 @@ def test_evaluate_end_to_end(tmp_path):
     port = coordinator_port()
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
     out2 = tmp_path / "report2"
-    two = [cmd[:-6] + ["--out", str(out2), "--cache-dir", str(tmp_path / "cache"), "--seed", "5",
-                       "--models", "adversarial", "--no-shifts",
-                       "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
-                       "--process-id", str(i)] for i in range(2)]
-    (code0, log0), (code1, log1) = run_processes(two, env)
-    assert code0 == 0 and code1 == 0, (log0 + log1)[-3000:]
+    flags = cmd[3:-6] + ["--out", str(out2), "--cache-dir", str(tmp_path / "cache"), "--seed",
+                         "5", "--models", "adversarial", "--no-shifts",
+                         "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
+    # Each process takes ~30 s; a hung one dumps its stacks after 240 s and exits.
+    two = [python_command(CLI, *flags, "--process-id", str(i), deadline=240) for i in range(2)]
+    results = run_processes(two, env, timeout=300)
+    assert_all_succeeded(results)
+    (_, log0), (_, log1) = results
     assert "bundled robust" in log0 and "bundled robust" not in log1
     report4 = json.loads((out2 / "report.json").read_text())
     assert set(report4["models"]) == {"adversarial"}

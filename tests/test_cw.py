@@ -307,7 +307,7 @@ def test_min_norm_matches_the_analytic_distance_on_linear_models(classes):
     dist = min_distance(params, x, y, "l2")
     r = bundle(
         [cw()], linear_apply, params, images(x), jnp.asarray(y), KEY, eps=float(np.median(dist)),
-        norm="l2", quantize=False,
+        norm="l2", judging="float",
     )
     best = r.best["min_norm"].score
     assert np.all(np.asarray(best.misclassified))
@@ -340,7 +340,7 @@ def test_success_is_never_lost_across_stages():
     assert ever.sum() >= 28 and np.sum(ever & ~final_adversarial) >= 3, "a meaningful case"
     np.testing.assert_array_equal(np.isfinite(np.asarray(state.upper)), ever)
 
-    r = bundle([attack], linear_apply, params, xi, yi, KEY, eps=0.5, norm="l2", quantize=False)
+    r = bundle([attack], linear_apply, params, xi, yi, KEY, eps=0.5, norm="l2", judging="float")
     best = r.best["min_norm"].score
     found = np.asarray(best.misclassified)
     assert np.all(found[ever])

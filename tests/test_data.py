@@ -333,5 +333,19 @@ def test_load_tfds_bad_n_checked_before_loading(monkeypatch):
 def test_public_api():
     assert sorted(data.__all__) == sorted(
         ["Batch", "Dataset", "batches", "load_mnist_sample", "load_tfds",
-         "num_batches", "validate_images"]
+         "num_batches", "translate", "validate_images"]
     )
+
+
+def test_translate_moves_images_off_the_grid_by_sub_pixel_offsets():
+    x = data.load_mnist_sample("test", n=8).x
+    np.testing.assert_array_equal(data.translate(x, 0.0, 0.0), x)
+    np.testing.assert_array_equal(data.translate(x, 1.0, 0.0)[:, 1:], x[:, :-1])  # one row down
+    half = data.translate(x, 0.5, 0.0)
+    np.testing.assert_allclose(half[:, 1:], 0.5 * (x[:, 1:] + x[:, :-1]), atol=1e-7)
+    moved = data.translate(x, 0.37, 0.41)
+    assert moved.dtype == np.float32 and moved.min() >= 0 and moved.max() <= 1
+    levels = moved * 255
+    assert np.all(np.abs(levels - np.round(levels)).reshape(8, -1).max(axis=1) > 0.01)
+    with pytest.raises(ValueError, match="images"):
+        data.translate(x[0], 0.5, 0.5)

@@ -31,7 +31,7 @@ def _ratio(params, x, y, norm, attack):
     dist = min_distance(params, x, y, norm)
     r = bundle(
         [attack], linear_apply, params, images(x), jnp.asarray(y), KEY, eps=0.1, norm=norm,
-        quantize=False,
+        judging="float",
     )
     best = r.best["min_norm"].score
     keep = dist > 1e-3

@@ -55,7 +55,7 @@ def _oracle(params, x, y, norm):
 def _best(params, x, y, norm, attack):
     r = bundle(
         [attack], linear_apply, params, images(x), jnp.asarray(y), KEY, eps=0.1, norm=norm,
-        quantize=False,
+        judging="float",
     )
     return r.best["min_norm"].score
 

@@ -173,7 +173,7 @@ def test_misclassify_success_is_never_lost(s):
 
 
 # Regression (fixed): goals.misclassify ignores Score.misclassified and compares margins only,
-# but bundler.verify marks a candidate with non-finite logits (or outside the box) as not
+# but verification (jaxbundle.judge.verify) marks a candidate with non-finite logits (or outside the box) as not
 # misclassified while keeping its margin (+inf for logits (0, inf, 0)): folding such a verified
 # failure into a verified success replaces the success, against the docstring 'a success is
 # never replaced by a failure'
@@ -181,7 +181,8 @@ def test_misclassify_success_is_never_lost(s):
 
 def test_misclassify_verified_failure_never_replaces_a_success():
     from jaxbundle.attacks.base import WhiteBoxModel
-    from jaxbundle.bundler import candidate_state, verify
+    from jaxbundle.bundler import candidate_state
+    from jaxbundle.judge import verify
 
     def apply_fn(params, x):  # class 1 wins; far from x0 its logit overflows to +inf
         wrong = jnp.where(x[:, 0] > 0.5, jnp.inf, params)
@@ -195,7 +196,8 @@ def test_misclassify_verified_failure_never_replaces_a_success():
     def verified(x, attack):
         x = jnp.asarray([x], jnp.float32)
         state = candidate_state(x, model.logits(x), x0, y, "linf", attack, 0, 0)
-        return verify(state, "misclassify", model, x0, y, eps, "linf", quantize=False)
+        clean = candidate_state(x0, model.logits(x0), x0, y, "linf", -1, 0, 0)
+        return verify(state, "misclassify", model, x0, y, eps, "linf", jnp.zeros((1,), bool), clean)
 
     @jax.jit
     def scenario():

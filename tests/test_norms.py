@@ -31,7 +31,7 @@ SHAPES = ((1, 20), (3, 3), (4, 4, 4, 1))
 
 norm = jax.jit(norms.norm, static_argnames="name")
 normalize = jax.jit(norms.normalize, static_argnames="name")
-quantize = jax.jit(norms.quantize, static_argnames=("name", "levels"))
+quantize = jax.jit(norms.quantize, static_argnames=("name",))
 in_ball = jax.jit(norms.in_ball, static_argnames="name")
 
 project_ball = jax.jit(norms.project_ball, static_argnames="name")
@@ -437,20 +437,28 @@ def grid(k):
 
 
 @st.composite
-def quantize_case(draw):
-    """Grid-aligned clean images ``x0`` and a point ``x`` in the box and the eps ball of x0."""
+def quantize_case(draw, off_grid=False):
+    """Clean images ``x0`` (8-bit, or with ``off_grid`` anywhere in the box) and a point ``x`` in
+    the box and the eps ball of x0; eps on a pixel level, between levels or random."""
     shape = draw(shapes())
     b = shape[0]
-    k = draw(hnp.arrays(np.int32, shape, elements=st.integers(0, LEVELS)))
-    x0 = grid(k)
+    if off_grid:
+        x0 = draw(arrays(shape, 0.0, 1.0))
+    else:
+        x0 = grid(draw(hnp.arrays(np.int32, shape, elements=st.integers(0, LEVELS))))
     delta = draw(arrays(shape, -0.5, 0.5))
     name = draw(st.sampled_from(NAMES))
-    # eps: a fraction of the raw perturbation's norm (so the ball binds often), or random.
+    # eps: a fraction of the raw perturbation's norm (so the ball binds often), whole or
+    # fractional pixel levels, or random.
     raw = np.asarray(norm(jnp.asarray(delta), name))
     fracs = st.sampled_from([0.0, 0.3, 0.5, 0.99, 1.0, 2.0])
     frac = draw(hnp.arrays(np.float32, (b,), elements=fracs))
     eps = (raw * frac).astype(np.float32)
-    if draw(st.booleans()):
+    kind = draw(st.sampled_from(["fraction", "level", "random"]))
+    if kind == "level":
+        steps_ = draw(st.sampled_from([1, 4, 7.905, 8, 51, 76.5, 127.5]))
+        eps = np.full((b,), steps_ / LEVELS, np.float32)
+    elif kind == "random":
         eps = draw(radius(1.0 if name == "linf" else 3.0))
     x = np.asarray(project(jnp.asarray(x0 + delta), jnp.asarray(x0), eps, name))
     return x0, x, eps, name
@@ -463,12 +471,42 @@ def test_quantize_on_grid_in_box_and_in_ball(case):
     assert q.shape == x.shape and q.dtype == np.float32
     assert on_grid(q)
     assert np.all((q >= 0.0) & (q <= 1.0))
-    d = q.astype(np.float64) - x0
-    # The ball's float slack (in_ball's), plus float slack per pixel (the strict
-    # version is test_quantize_of_a_clean_image_is_the_identity).
-    assert_in_ball(d, eps, name, slack=x[0].size * 2.0**-24)
+    # The very check verification makes.
+    assert np.all(np.asarray(in_ball(jnp.asarray(q - x0), jnp.asarray(eps), name)))
     # Never more than one grid step from x.
     assert np.all(np.abs(q.astype(np.float64) - x) <= 1.0 / LEVELS + 1e-6)
+
+
+@given(case=quantize_case(off_grid=True))
+def test_quantize_linf_off_grid_clean_images_stay_in_the_ball(case):
+    """Linf accepts any clean image: each pixel takes a level inside the ball, or keeps x0 when
+    the ball holds no level (eps under half a level)."""
+    x0, x, eps, _ = case
+    q = np.asarray(quantize(jnp.asarray(x), jnp.asarray(x0), eps, "linf"))
+    assert np.all((q >= 0.0) & (q <= 1.0))
+    assert np.all(np.asarray(in_ball(jnp.asarray(q - x0), jnp.asarray(eps), "linf")))
+    off = ~np.isclose(q * LEVELS, np.round(q * LEVELS), rtol=0, atol=1e-4)
+    assert np.all(q[off] == x0[off])  # only a kept clean pixel is off the grid
+    to_level = np.abs(x0 * LEVELS - np.round(x0 * LEVELS)) / LEVELS
+    lim = eps_rows(eps, x.shape[0]).reshape((-1,) + (1,) * (x.ndim - 1))
+    assert not np.any(off & (to_level < lim - 1e-6)), "a level was inside the ball"
+
+
+@pytest.mark.parametrize("off_grid", [False, True])
+@given(data=st.data())
+def test_quantize_linf_is_the_nearest_admissible_level(off_grid, data):
+    """Per pixel, Linf quantisation picks a level within eps of x0 that is as close to x as
+    any such level (the exact projection onto the grid points of the ball and the box)."""
+    x0, x, eps, _ = data.draw(quantize_case(off_grid=off_grid))
+    q = np.asarray(quantize(jnp.asarray(x), jnp.asarray(x0), eps, "linf")).astype(np.float64)
+    limit = np.asarray(norms.ball_limit(jnp.asarray(eps)), np.float64)
+    limit = np.broadcast_to(limit.reshape((-1,) + (1,) * (x.ndim - 1)), x.shape)
+    levels = grid(np.arange(LEVELS + 1)).astype(np.float64)  # [256]
+    x0_, x_ = x0.astype(np.float64)[..., None], x.astype(np.float64)[..., None]
+    admissible = np.abs(levels - x0_) <= limit[..., None] + 1e-7
+    dist = np.where(admissible, np.abs(levels - x_), np.inf).min(axis=-1)
+    has = admissible.any(axis=-1)
+    assert np.all(np.abs(q - x)[has] <= dist[has] + 1e-6)
 
 
 @given(case=quantize_case())
@@ -477,11 +515,17 @@ def test_quantize_keeps_nearest_rounding_when_it_is_feasible(case):
     q = np.asarray(quantize(jnp.asarray(x), jnp.asarray(x0), eps, name))
     nearest = np.asarray(quantize(jnp.asarray(x), jnp.asarray(x0), None, name))
     fits = np.asarray(in_ball(jnp.asarray(nearest - x0), jnp.asarray(eps), name))
-    np.testing.assert_array_equal(q[fits], nearest[fits])
-    # Elsewhere each pixel is rounded towards x0: no |q - x0|_i above |x - x0|_i (up to the
-    # float slack of one ten-thousandth of a level).
-    grow = np.abs(q.astype(np.float64) - x0) - np.abs(x.astype(np.float64) - x0)
-    assert np.all(grow[~fits] <= 1e-4 / LEVELS + 1e-7)
+    if name == "linf":
+        np.testing.assert_array_equal(q[fits], nearest[fits])
+    else:
+        # L2 / L1 also keep nearest rounding where it fits, unless it loses norm (then the
+        # cheapest pixels round away from x0, up to the candidate's own norm).
+        keeps = fits & (norm(jnp.asarray(nearest - x0), name) >= norm(jnp.asarray(x - x0), name))
+        np.testing.assert_array_equal(q[np.asarray(keeps)], nearest[np.asarray(keeps)])
+        grown = np.asarray(norm(jnp.asarray(q - x0), name))
+        limit = np.maximum(np.asarray(norm(jnp.asarray(nearest - x0), name)),
+                           np.asarray(norm(jnp.asarray(x - x0), name)))
+        assert np.all(grown <= limit * (1 + 1e-5) + 1e-6), "a stretch of the candidate"
 
 
 @given(x=batch(-0.5, 1.5))
@@ -511,17 +555,85 @@ def test_quantize_linf_eps_03_half_step_edge():
 
 
 @pytest.mark.parametrize("name", ["l2", "l1"])
-def test_quantize_rounds_towards_x0_when_nearest_leaves_the_ball(name):
+def test_quantize_gives_back_only_what_the_rounding_added(name):
+    """Four pixels 0.6 level up, eps their norm: nearest rounding (+1 each) leaves the ball;
+    the repair rounds just enough of them towards x0, not all (all would keep nothing)."""
     k = np.array([[0, 10, 100, 200], [3, 3, 3, 3]], np.int32)
     x0 = grid(k)
-    x = (x0 + np.float32(0.6 / LEVELS)).astype(np.float32)  # nearest: one full step up
-    eps = np.asarray(norm(jnp.asarray(x - x0), name))
+    x = (x0 + np.float32(0.6 / LEVELS)).astype(np.float32)
+    eps = np.asarray(norm(jnp.asarray(x - x0), name))  # L2: 1.2 levels, L1: 2.4 levels
     q = np.asarray(quantize(jnp.asarray(x), jnp.asarray(x0), eps, name))
-    np.testing.assert_array_equal(steps(q), k)
-    np.testing.assert_allclose(q, x0, rtol=0, atol=1e-7)
+    up = steps(q) - k
+    assert set(np.unique(up)) <= {0, 1}
+    np.testing.assert_array_equal(up.sum(axis=1), 1 if name == "l2" else 2)
     # Without the ball, plain rounding goes up one step.
     q_free = np.asarray(quantize(jnp.asarray(x), jnp.asarray(x0), None, name))
     np.testing.assert_array_equal(steps(q_free), k + 1)
+
+
+@st.composite
+def boundary_case(draw):
+    """CIFAR-sized 8-bit images with an L2 perturbation on the ball's boundary: dense
+    Gaussian, sparse (a few pixels) or PGD-like (a signed pattern), any eps in [1/16, 4]."""
+    seed = draw(st.integers(0, 2**31 - 1))
+    eps = draw(st.floats(0.0625, 4.0, width=32))
+    kind = draw(st.sampled_from(["dense", "sparse", "signs"]))
+    rng = np.random.default_rng(seed)
+    x0 = grid(rng.integers(0, LEVELS + 1, (4, 32, 32, 3)))
+    delta = rng.normal(size=x0.shape)
+    if kind == "sparse":
+        delta *= rng.uniform(size=x0.shape) < 0.01
+    elif kind == "signs":
+        delta = np.sign(delta)
+    delta = delta / np.linalg.norm(delta.reshape(4, -1), axis=1).reshape(4, 1, 1, 1) * eps
+    return x0, (x0 + delta).astype(np.float32), np.float32(eps)
+
+
+@given(case=boundary_case())
+def test_quantize_l2_keeps_the_norm_of_boundary_perturbations(case):
+    """Rounding a perturbation on the L2 sphere keeps >= 97 % of its norm (the box clips it
+    first), inside the ball. Rounding every pixel towards x0 kept about 84 % at eps 0.5."""
+    x0, x, eps = case
+    x = np.asarray(project(jnp.asarray(x), jnp.asarray(x0), eps, "l2"))
+    q = np.asarray(quantize(jnp.asarray(x), jnp.asarray(x0), eps, "l2"))
+    before = np.linalg.norm((x - x0).reshape(4, -1).astype(np.float64), axis=1)
+    after = np.linalg.norm((q - x0).reshape(4, -1).astype(np.float64), axis=1)
+    assert np.all(np.asarray(in_ball(jnp.asarray(q - x0), eps, "l2")))
+    assert np.all(after >= 0.97 * before), (after / before).min()
+
+
+def test_snap_to_grid_rounds_only_the_examples_judged_on_the_grid():
+    rng = np.random.default_rng(1)
+    on = grid(rng.integers(0, LEVELS + 1, (1, 6, 6, 1)))
+    off = rng.uniform(0, 1, (1, 6, 6, 1)).astype(np.float32)  # like a resized image
+    x0 = np.concatenate([on, off])
+    x = np.clip(x0 + rng.uniform(-0.02, 0.02, x0.shape), 0, 1).astype(np.float32)
+    auto = np.asarray(norms.snap_to_grid(jnp.asarray(x), jnp.asarray(x0), 0.03, "linf"))
+    assert on_grid(auto[0]) and not on_grid(auto[1])
+    np.testing.assert_array_equal(auto[1], x[1])
+    none = np.asarray(norms.snap_to_grid(jnp.asarray(x), jnp.asarray(x0), grid=jnp.zeros(2, bool)))
+    np.testing.assert_array_equal(none, x)
+
+
+def test_on_grid_recognises_8bit_images_however_divided():
+    k = np.random.default_rng(2).integers(0, LEVELS + 1, (3, 28, 28, 1)).astype(np.uint8)
+    numpy_way = k.astype(np.float32) / np.float32(255)
+    xla_way = jnp.asarray(k, jnp.float32) * (1.0 / 255)  # may be an ulp off the numpy values
+    for x in (numpy_way, xla_way, np.asarray(xla_way)):
+        assert bool(np.all(norms.on_grid(x)))
+    # A bilinear half-pixel shift leaves the grid (a constant image would not).
+    shifted = 0.5 * (numpy_way + np.roll(numpy_way, 1, axis=2))
+    assert not np.any(np.asarray(norms.on_grid(jnp.asarray(shifted))))
+    assert np.all(norms.on_grid(np.full((2, 4, 4, 3), 7 / 255, np.float32)))
+
+
+@pytest.mark.parametrize(
+    "eps, name, levels",
+    [(0.031, "linf", 7), (8 / 255, "linf", 8), (0.3, "linf", 76), (np.float32(4 / 255), "linf", 4),
+     (0.031, "l1", 7), (0.5, "l2", np.sqrt(16256)), (2 / 255, "l2", 2)],
+)
+def test_grid_radius_is_in_whole_levels(eps, name, levels):
+    assert norms.grid_radius(eps, name) == pytest.approx(levels / 255, abs=1e-9)
 
 
 # Regression (fixed): norms.quantize computes grid values as k / levels in XLA, which on CPU is

@@ -127,7 +127,7 @@ def test_linear_oracle_min_norm():
     dist = min_distance(params, x, y, "linf")
     a = rays()
     r = bundle([a], linear_apply, params, images(x), jnp.asarray(y), KEY, eps=0.1, norm="linf",
-               quantize=False, goals=("min_norm",))
+               judging="float", goals=("min_norm",))
     best = r.best["min_norm"].score
     assert np.asarray(best.misclassified).all()
     attained = np.asarray(best.distortion)

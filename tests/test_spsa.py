@@ -124,7 +124,7 @@ def test_linear_oracle():
     eps = float(1.2 * np.median(dist))
     a = spsa(steps=30)
     r = bundle([a], linear_apply, params, images(x), jnp.asarray(y), KEY, eps=eps, norm="linf",
-               quantize=False)
+               judging="float")
     success = np.asarray(r.attack_success[0])
     near, far = dist < 0.5 * eps, dist > eps * (1 + 1e-4)
     assert near.sum() >= 20 and far.sum() >= 20

@@ -224,16 +224,18 @@ def test_iterates_feasible_and_accept_rule(norm, shape):
     assert np.all(dist <= eps * (1 + 1e-5) + 1e-6), dist.max()
     if norm == "linf":  # the perturbation is +-eps wherever the box allows it
         assert np.all(dist[0] > eps * 0.99)
+    # Logits recomputed on another batch shape: XLA:CPU's matmul kernels round differently
+    # (up to ~4e-5 over 784 pixels on some CPUs).
     flat_c = cands.x.reshape((-1,) + x.shape[1:])
     np.testing.assert_allclose(
-        cands.logits.reshape(-1, 4), linear_apply(params, flat_c), rtol=1e-5, atol=1e-5
+        cands.logits.reshape(-1, 4), linear_apply(params, flat_c), rtol=1e-4, atol=1e-4
     )
     loss = np.concatenate([np.asarray(state0.loss)[None], np.asarray(states.loss)])
     assert np.all(np.diff(loss, axis=0) <= 0)
     steps = attack.num_steps
     flat_s = states.x.reshape((-1,) + x.shape[1:])
     want = -losses.margin(linear_apply(params, flat_s), jnp.tile(y, steps)).reshape(steps, -1)
-    np.testing.assert_allclose(loss[1:], want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(loss[1:], want, rtol=1e-4, atol=1e-4)
     prev = np.concatenate([np.asarray(state0.x)[None], np.asarray(states.x)[:-1]])
     fooled = loss[:-1] < 0
     assert fooled.any() and (~fooled).any(), "the test should see both kinds"
@@ -318,7 +320,7 @@ def test_linear_oracle(norm, shape, eps_scale, queries):
     eps = float(np.median(dist)) * eps_scale
     r = bundle(
         [square(norm, queries=queries)], linear_apply, params, images(x, shape), jnp.asarray(y),
-        KEY, eps=eps, norm=norm, quantize=False,
+        KEY, eps=eps, norm=norm, judging="float",
     )
     fooled = np.asarray(r.best["misclassify"].score.misclassified)
     easy, hard = dist < 0.5 * eps, dist > eps

@@ -203,7 +203,7 @@ def test_linear_oracle_min_norm():
     rounding to the 8-bit grid dominates).
     """
     a = surfree(basis="gaussian")
-    r = bundle([a], linear_apply, PARAMS, X0, Y0, KEY, eps=0.1, norm="l2", quantize=False)
+    r = bundle([a], linear_apply, PARAMS, X0, Y0, KEY, eps=0.1, norm="l2")
     s = r.best["min_norm"]
     assert np.all(np.asarray(r.queries) == 5000)
     m = np.asarray(s.score.misclassified)
@@ -215,3 +215,12 @@ def test_linear_oracle_min_norm():
     ratio = np.asarray(s.score.distortion) / min_distance(PARAMS, X, Y, "l2")
     assert ratio.min() >= 1 - 1e-4
     assert np.median(ratio) < 1.1 and np.mean(ratio < 1.1) >= 0.8 and ratio.max() < 1.3
+
+
+def test_queries_follow_the_judging():
+    """Under judging="float" the oracle sees unrounded points (the bundle judges them so)."""
+    a = surfree(basis="gaussian", queries=200)
+    r = bundle([a], linear_apply, PARAMS, X0, Y0, KEY, eps=0.1, norm="l2", judging="float")
+    s = r.best["min_norm"]
+    assert np.asarray(s.score.misclassified).any()
+    assert not _on_grid(s.x)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -109,11 +110,23 @@ def coordinator_port() -> int:
         pytest.skip(f"no loopback network for the jax.distributed coordinator: {err}")
 
 
-def run_processes(commands, env, timeout=600):
+def python_command(code: str, *args: str, deadline: float) -> list[str]:
+    """``python -c code args...`` that, still running after ``deadline`` seconds, dumps the
+    stack of every thread to its output and exits (faulthandler): a hang explains itself."""
+    prelude = f"import faulthandler; faulthandler.dump_traceback_later({deadline}, exit=True)\n"
+    return [sys.executable, "-c", prelude + code, *args]
+
+
+CLI = "import sys; from jaxbundle.cli import main; sys.argv[0] = 'jaxbundle'; sys.exit(main())"
+
+
+def run_processes(commands, env, timeout):
     """Runs the processes of one job at once; returns ``(exit code, output)`` for each.
 
     Output goes to files, not pipes: a process blocked on a full pipe would stall the others in
-    a collective. After ``timeout`` seconds every process still running is killed (code -9).
+    a collective. After ``timeout`` seconds every process still running is killed (code -9);
+    give the commands a shorter :func:`python_command` deadline so that they dump their stacks
+    first.
     """
     import tempfile
     import time
@@ -139,3 +152,11 @@ def run_processes(commands, env, timeout=600):
             results.append((worker.returncode, log.read()))
             log.close()
         return results
+
+
+def assert_all_succeeded(results) -> None:
+    """Fails with the end of every process's output (stack dumps included) unless all exited 0."""
+    if any(code != 0 for code, _ in results):
+        tails = "\n".join(f"--- process {i}: exit code {code}\n{log[-6000:]}"
+                          for i, (code, log) in enumerate(results))
+        raise AssertionError(f"a process failed:\n{tails}")

@@ -22,7 +22,7 @@ Configuration is a hashable ``NamedTuple`` so that an :class:`Attack` built twic
 arguments compares equal and reuses the compiled program.
 
 ``model`` is what the threat model lets the attack see, chosen by the bundler from
-``Attack.kind``: white-box attacks get a :class:`WhiteBoxModel` (logits and gradients),
+``Attack.kind`` (each also carries ``grid``, which examples are judged on the 8-bit grid): white-box attacks get a :class:`WhiteBoxModel` (logits and gradients),
 score-based attacks a :class:`ScoreOracle` (``logits(x)``, no gradients), decision-based
 attacks a :class:`LabelOracle` (``label(x)`` only). Oracles hold the model in a closure and
 expose nothing else. Every oracle call on a batch is one query per example; an attack declares
@@ -45,6 +45,7 @@ __all__ = [
     "WhiteBoxModel",
     "ScoreOracle",
     "LabelOracle",
+    "check_kind",
     "threat_model",
     "Attack",
     "InitFn",
@@ -52,7 +53,7 @@ __all__ = [
     "per_example_keys",
 ]
 
-KINDS = ("white-box", "score-based", "decision-based", "shift")
+KINDS = ("white-box", "score-based", "decision-based")
 
 
 class Candidate(NamedTuple):
@@ -63,12 +64,19 @@ class Candidate(NamedTuple):
 
 
 class ScoreOracle:
-    """What a score-based attacker sees: the logits of a batch, without gradients."""
+    """What a score-based attacker sees: the logits of a batch, without gradients, and (as
+    ``grid``, see :class:`WhiteBoxModel`) how each example will be judged."""
 
-    __slots__ = ("_fn",)
+    __slots__ = ("_fn", "grid")
 
-    def __init__(self, apply_fn: Callable[[Any, jax.Array], jax.Array], params: Any):
+    def __init__(
+        self,
+        apply_fn: Callable[[Any, jax.Array], jax.Array],
+        params: Any,
+        grid: jax.Array | None = None,
+    ):
         self._fn = lambda x: jax.lax.stop_gradient(apply_fn(params, x).astype(jnp.float32))
+        self.grid = grid
 
     def logits(self, x: jax.Array) -> jax.Array:
         """Logits ``[B, K]`` for images ``[B, ...]``; one query per example."""
@@ -76,37 +84,63 @@ class ScoreOracle:
 
 
 class LabelOracle:
-    """What a decision-based attacker sees: the predicted label of each image."""
+    """What a decision-based attacker sees: the predicted label of each image, and (as
+    ``grid``, see :class:`WhiteBoxModel`) how each example will be judged."""
 
-    __slots__ = ("_fn",)
+    __slots__ = ("_fn", "grid")
 
-    def __init__(self, apply_fn: Callable[[Any, jax.Array], jax.Array], params: Any):
+    def __init__(
+        self,
+        apply_fn: Callable[[Any, jax.Array], jax.Array],
+        params: Any,
+        grid: jax.Array | None = None,
+    ):
         self._fn = lambda x: jnp.argmax(
             jax.lax.stop_gradient(apply_fn(params, x)), axis=-1
         ).astype(jnp.int32)
+        self.grid = grid
 
     def label(self, x: jax.Array) -> jax.Array:
         """Predicted labels ``[B]`` (int32) for images ``[B, ...]``; one query per example."""
         return self._fn(jax.lax.stop_gradient(x))
 
 
-def threat_model(kind: str, apply_fn: Callable[[Any, jax.Array], jax.Array], params: Any):
-    """The model object an attack of ``kind`` receives."""
+def check_kind(kind: str) -> str:
+    """Returns ``kind`` if it is one of :data:`KINDS`, else raises ``ValueError``."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown attack kind {kind!r}; expected one of {KINDS}")
+    return kind
+
+
+def threat_model(
+    kind: str,
+    apply_fn: Callable[[Any, jax.Array], jax.Array],
+    params: Any,
+    grid: jax.Array | None = None,
+):
+    """The model object an attack of ``kind`` receives, with the judging mask ``grid``; an
+    unknown kind is an error (a typo must never hand gradients to a black-box attack)."""
+    check_kind(kind)
     if kind == "score-based":
-        return ScoreOracle(apply_fn, params)
+        return ScoreOracle(apply_fn, params, grid)
     if kind == "decision-based":
-        return LabelOracle(apply_fn, params)
-    return WhiteBoxModel(apply_fn, params)
+        return LabelOracle(apply_fn, params, grid)
+    return WhiteBoxModel(apply_fn, params, grid)
 
 
 class WhiteBoxModel(NamedTuple):
     """Full access to a differentiable classifier: ``apply_fn(params, x) -> logits``.
 
     Built inside the bundler's jitted function, so ``params`` are traced jit arguments.
+
+    ``grid`` (``[B]`` bool, or ``None``: wherever the clean image is on the grid) tells the
+    attacker which examples the bundle judges on the 8-bit grid, so that an attack searching
+    on the grid does so exactly where it matters (:func:`jaxbundle.norms.snap_to_grid`).
     """
 
     apply_fn: Callable[[Any, jax.Array], jax.Array]
     params: Any
+    grid: jax.Array | None = None
 
     def logits(self, x: jax.Array) -> jax.Array:
         """Logits ``[B, K]`` for images ``[B, ...]`` (in float32)."""

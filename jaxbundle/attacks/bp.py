@@ -42,8 +42,8 @@ one across the walk. On a linear model the out step is the exact projection onto
 Differences from the paper, by design: the out and in steps use the first-order distance ``s``
 (the paper steps in the tangent hyperplane through ``x`` and reaches a target norm
 ``||r|| / gamma_k`` in the in case); the paper's quantisation-aware search is left to the
-bundler's verification unless ``quantize=True`` (then every iterate is rounded to the grid);
-L2 only.
+judge, which rounds the reported image; with ``quantize=True`` (default) every iterate of an
+example judged on the grid is rounded to the grid, so the walk moves on judged images; L2 only.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ class BPConfig(NamedTuple):
     gamma_min: float  # first value of the schedule gamma_k (largest relative step 1 - gamma)
     gamma_max: float  # value the schedule reaches at k = K (<= 1)
     overshoot: float  # omega: least crossing of the linearised boundary, relative to ||r||
-    quantize: bool  # round every iterate to the 8-bit grid (the paper's quantised variant)
+    quantize: bool  # round iterates to the 8-bit grid where judged on it (quantised variant)
 
 
 class BPState(NamedTuple):
@@ -145,7 +145,7 @@ def step(config: BPConfig, state: BPState, model: WhiteBoxModel) -> tuple[BPStat
     )
     x_new = norms.project_box(state.x0 + r_new)
     if config.quantize:
-        x_new = norms.quantize(x_new, state.x0)
+        x_new = norms.snap_to_grid(x_new, state.x0, grid=model.grid)
     new_state = state._replace(x=x_new, k=state.k + 1, crossed=crossed)
     return new_state, Candidate(state.x, logits)
 
@@ -156,7 +156,7 @@ def bp(
     gamma_min: float = 0.7,
     gamma_max: float = 1.0,
     overshoot: float = 1e-3,
-    quantize: bool = False,
+    quantize: bool = True,
     name: str | None = None,
 ) -> Attack:
     """The Boundary Projection attack (minimum-norm, untargeted, white-box).
@@ -171,12 +171,12 @@ def bp(
         Needs ``0 < gamma_min <= gamma_max <= 1``.
       overshoot: the least crossing of the linearised boundary in an in step, relative to the
         distortion (default ``1e-3``), in ``[0, 1)``.
-      quantize: round every iterate to the 8-bit grid (the paper's quantised variant), so that
-        the candidates survive the bundler's rounding at verification unchanged. Off by
-        default: the min-norm goal keeps the smallest adversarial candidate, which the
-        continuous walk leaves just past the boundary, where rounding may undo it (on the
-        linear toy with ``bundle(..., quantize=True)``: 59% verified successes off, 100% on,
-        at a distortion 8% above the minimum).
+      quantize: round every iterate of an example judged on the 8-bit grid to the grid (the
+        paper's quantised variant), following the bundle's judging (``model.grid``): the
+        candidates then survive the judge's rounding unchanged. ``False``: a continuous walk,
+        whose smallest adversarial candidate sits just past the boundary, where the judge's
+        rounding may undo it (under ``judging="float"``, or for off-grid data, the two are
+        the same).
       name: report name; default ``"bp"``.
 
     Returns:

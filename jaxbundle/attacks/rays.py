@@ -14,9 +14,9 @@ searches over ray directions ``d in {-1, +1}^D``; the radius of a direction is t
   there it cannot improve and is rejected (the paper's fast check); if it is, it becomes the
   best direction and a binary search refines its radius.
 
-Pixel grid. Success is judged on quantised images (:func:`jaxbundle.norms.quantize`): the
-image for radius level ``k`` is ``quantize(clip(x0 + k/255 d), x0)``, which for 8-bit ``x0``
-has Linf distortion ``k/255`` (less where the box clips). Radii are therefore integer levels
+Pixel grid. The image for radius level ``k`` is ``clip(x0 + k/255 d)``, rounded to the 8-bit
+grid where ``x0`` is on it (:func:`jaxbundle.norms.snap_to_grid`, as the bundle judges it): its
+Linf distortion is ``k/255`` (less where the box clips). Radii are therefore integer levels
 ``k in [0, 255]``, the check is at ``k_best - 1`` (the grid version of "strictly better than
 ``r_best``") and the binary search bisects levels until ``hi - lo = 1``: at most 8 queries
 (``ceil(log2 256)``), capped by ``search_steps`` (default 8, so the search is exact). Before any
@@ -80,10 +80,12 @@ class RaySState(NamedTuple):
     block: jax.Array  # int32 [B] index of the next block to flip, in [0, min(2^s, D))
 
 
-def ray_image(x0: jax.Array, d: jax.Array, k: jax.Array) -> jax.Array:
-    """``quantize(clip(x0 + k/255 d), x0)`` per example: the image at radius level ``k [B]``."""
+def ray_image(x0: jax.Array, d: jax.Array, k: jax.Array, grid: jax.Array | None = None) -> jax.Array:
+    """``clip(x0 + k/255 d)`` per example, rounded to the grid where ``x0`` is on it
+    (:func:`jaxbundle.norms.snap_to_grid`; ``grid``: the judging mask): the image at radius
+    level ``k [B]``."""
     r = k.astype(x0.dtype) / LEVELS
-    return norms.quantize(norms.project_box(x0 + norms.per_example(r, d) * d), x0)
+    return norms.snap_to_grid(norms.project_box(x0 + norms.per_example(r, d) * d), x0, grid=grid)
 
 
 def max_stage(dim: int) -> int:
@@ -128,7 +130,7 @@ def init(config: RaySConfig, keys, x0, y, eps, model: LabelOracle, restart) -> R
     random_signs = jax.vmap(lambda k: jax.random.rademacher(k, x0.shape[1:], dtype=x0.dtype))(keys)
     d = jnp.where(restart > 0, random_signs, ones)
     full = jnp.full((batch,), LEVELS, jnp.int32)
-    x_far = ray_image(x0, d, full)
+    x_far = ray_image(x0, d, full, model.grid)
     adv = model.label(x_far) != y  # 1 query: is the box corner along d adversarial?
     zeros = jnp.zeros((batch,), jnp.int32)
     return RaySState(
@@ -155,7 +157,7 @@ def step(config: RaySConfig, state: RaySState, model: LabelOracle):
     mid = (state.lo + state.k_best) // 2
     direction = jnp.where(norms.per_example(search, trial), state.d, trial)
     level = jnp.where(search, mid, check_level)
-    x_query = ray_image(state.x0, direction, level)
+    x_query = ray_image(state.x0, direction, level, model.grid)
     adv = model.label(x_query) != state.y  # the step's one query
 
     # Check: an adversarial trial becomes the best direction and starts a search.

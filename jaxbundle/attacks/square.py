@@ -48,10 +48,11 @@ values of the paper's experiments. One restart (the key of a bundle restart only
 randomness). Square positions use offsets in ``[0, h - s]`` inclusive. Each step draws all
 its random numbers from one PRNG call per example (cheaper to compile than one per use).
 
-Caveat: like the paper, the attack stops as soon as ``L < 0``, so its successes sit just past
-the decision boundary at ``|delta| = eps``; when the bundler rounds them to the 8-bit grid
-(``quantize=True``) with an eps that is not a multiple of 1/255, the rounding shrinks the
-perturbation and can undo them.
+Pixel grid: like the paper, the attack stops as soon as ``L < 0``, so its successes sit just
+past the decision boundary at ``|delta| = eps``, where the judge's rounding to the 8-bit grid
+could undo them. With ``grid=True`` (default) every queried point of an example judged on the
+grid is rounded first (:func:`jaxbundle.norms.snap_to_grid`), so the oracle labels exactly the
+image the bundle judges.
 """
 
 from __future__ import annotations
@@ -358,15 +359,12 @@ def _l2_proposal(key: jax.Array, state: SquareState, s: jax.Array) -> jax.Array:
 # The protocol.
 
 
-def _on_grid(config: SquareConfig, x: jax.Array, x0: jax.Array, eps: jax.Array) -> jax.Array:
-    """With ``config.grid``: the point rounded to the 8-bit grid without leaving the ball.
-
-    Square stops at its first success, just past the boundary at ``|delta| = eps``; when eps
-    is not a multiple of 1/255 the verification's rounding would shrink such a point back
-    (measured on a tiny MLP at Linf 0.05: robust accuracy 0.86 instead of APGD's 0.39).
-    Searching on the grid judges every query on the image that will be submitted.
-    """
-    return norms.quantize(x, x0, eps, config.norm) if config.grid else x
+def _on_grid(
+    config: SquareConfig, x: jax.Array, x0: jax.Array, eps: jax.Array, grid: jax.Array | None
+) -> jax.Array:
+    """With ``config.grid``: the point rounded to the 8-bit grid without leaving the ball,
+    for the examples whose clean image is on the grid (the others are judged in float32)."""
+    return norms.snap_to_grid(x, x0, eps, config.norm, grid) if config.grid else x
 
 
 def init(config: SquareConfig, keys, x0, y, eps, model: ScoreOracle, restart) -> SquareState:
@@ -375,7 +373,7 @@ def init(config: SquareConfig, keys, x0, y, eps, model: ScoreOracle, restart) ->
     _hwc(x0.shape[1:])
     k_init, k_run = _split(keys, 2)
     start = linf_init if config.norm == "linf" else l2_init
-    x = _on_grid(config, start(k_init, x0, eps), x0, eps)
+    x = _on_grid(config, start(k_init, x0, eps), x0, eps, model.grid)
     loss = margin_loss(model.logits(x), y)
     t = jnp.zeros(y.shape, jnp.int32)
     return SquareState(x=x, x0=x0, y=y, eps=eps, loss=loss, key=k_run, t=t)
@@ -388,7 +386,7 @@ def step(config: SquareConfig, state: SquareState, model: ScoreOracle):
     s = side(fraction(state.t, config.num_steps, config.p_init), h, w, config.norm)
     propose = _linf_proposal if config.norm == "linf" else _l2_proposal
     fooled = state.loss < 0
-    proposal = _on_grid(config, propose(k_step, state, s), state.x0, state.eps)
+    proposal = _on_grid(config, propose(k_step, state, s), state.x0, state.eps, model.grid)
     x_new = jnp.where(norms.per_example(fooled, state.x), state.x, proposal)
     logits = model.logits(x_new)
     loss_new = margin_loss(logits, state.y)
@@ -416,8 +414,8 @@ def square(
       queries: model queries per example, the initial point included (``queries - 1``
         steps); the paper's budget is 10,000, AutoAttack's 5,000.
       p_init: initial fraction of pixels changed per step; ``None``: 0.8 (Linf) or 0.1 (L2).
-      grid: round every queried point to the 8-bit pixel grid inside the ball (for images
-        whose clean pixels are on the grid; the bundler verifies on the grid anyway).
+      grid: round every queried point to the 8-bit pixel grid inside the ball, for the
+        examples whose clean image is on the grid (as the bundle judges them).
       name: report name; default ``"square"``.
 
     Returns:

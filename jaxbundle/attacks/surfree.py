@@ -5,7 +5,7 @@ SurFree estimates no gradient. It walks along the decision boundary by trying, f
 direction after another, a few angles on a circle through the current point ``x_b``.
 
 Init (``init_queries = init_trials + init_search_steps``)
-    ``init_trials`` uniform-noise images (on the 8-bit grid) are queried in one batched call;
+    ``init_trials`` uniform-noise images (rounded like every query point) are queried in one batched call;
     the first one the model does not label ``y`` is the starting point, and a bisection of
     ``init_search_steps`` queries over ``t`` on the blend ``x0 + t (noise - x0)`` brings it
     next to the boundary. An example that no noise fools stays at ``x0``; its queries in the
@@ -30,9 +30,9 @@ a slice of the paper's sequential algorithm and no query is wasted on a static s
    the next larger one ``|θ| + θ_max / trials`` (capped at π/2, which is ``x0``);
    ``θ_max <- θ_max / rho`` (capped at π/2); back to 1.
 
-Every query point is clipped to the box and rounded to the 8-bit grid
-(:func:`jaxbundle.norms.quantize`) before the oracle sees it, so success is judged on the
-quantised image; ``x_b`` (``state.x``, the step's candidate) is always the closest quantised
+Every query point is clipped to the box and, where the clean image is on the 8-bit grid,
+rounded to it (:func:`jaxbundle.norms.snap_to_grid`) before the oracle sees it, so the image
+the oracle labels is the one the bundle judges; ``x_b`` (``state.x``, the step's candidate) is always the closest quantised
 image the oracle has labelled wrong. The budget is exact and static:
 ``queries = restarts * (init_queries + num_steps * queries_per_step)``.
 
@@ -137,9 +137,10 @@ def _unit(a: jax.Array) -> jax.Array:
     return a / jnp.where(n > 0, n, 1.0)[:, None]
 
 
-def _quantized(x: jax.Array, x0: jax.Array) -> jax.Array:
-    """A query point: clipped to the box and rounded to the 8-bit grid."""
-    return norms.quantize(norms.project_box(x), x0)
+def _quantized(x: jax.Array, x0: jax.Array, grid: jax.Array | None) -> jax.Array:
+    """A query point: clipped to the box and rounded to the 8-bit grid where the example is
+    judged on it (``grid``, the judging mask)."""
+    return norms.snap_to_grid(norms.project_box(x), x0, grid=grid)
 
 
 def _low_frequency_mask(shape: tuple[int, ...], ratio: float) -> jax.Array:
@@ -196,11 +197,11 @@ def _fooled(model: LabelOracle, x: jax.Array, y: jax.Array) -> jax.Array:
     return model.label(x) != y
 
 
-def _noise(keys: jax.Array, n: int, x0: jax.Array) -> jax.Array:
+def _noise(keys: jax.Array, n: int, x0: jax.Array, grid: jax.Array | None) -> jax.Array:
     """``n`` uniform-noise images per example on the pixel grid, ``[n, B, ...]``."""
     split = jax.vmap(lambda k: jax.random.split(k, n))(keys)  # [B, n]
     noise = jax.vmap(jax.vmap(lambda k: jax.random.uniform(k, x0.shape[1:])))(split)
-    return jax.vmap(lambda z: _quantized(z, x0))(jnp.swapaxes(noise, 0, 1))
+    return jax.vmap(lambda z: _quantized(z, x0, grid))(jnp.swapaxes(noise, 0, 1))
 
 
 def init(config: SurFreeConfig, keys, x0, y, eps, model: LabelOracle, restart) -> SurFreeState:
@@ -208,7 +209,7 @@ def init(config: SurFreeConfig, keys, x0, y, eps, model: LabelOracle, restart) -
     split = jax.vmap(jax.random.split)(keys)
     key, noise_keys = split[:, 0], split[:, 1]
     shape = x0.shape[1:]
-    noise = _noise(noise_keys, config.init_trials, x0)  # [n, B, ...]
+    noise = _noise(noise_keys, config.init_trials, x0, model.grid)  # [n, B, ...]
     # One oracle call per noise image (a batch of n * B images: n queries per example).
     batch = noise.reshape((-1,) + shape)
     fooled = _fooled(model, batch, jnp.tile(y, config.init_trials)).reshape(config.init_trials, -1)
@@ -219,7 +220,7 @@ def init(config: SurFreeConfig, keys, x0, y, eps, model: LabelOracle, restart) -
     def bisect(carry, _):
         lo, hi, x_adv = carry
         mid = (lo + hi) / 2
-        x_mid = _quantized(x0 + norms.per_example(mid, x0) * (start - x0), x0)
+        x_mid = _quantized(x0 + norms.per_example(mid, x0) * (start - x0), x0, model.grid)
         adv = _fooled(model, x_mid, y)
         lo = jnp.where(adv, lo, mid)
         hi = jnp.where(adv, mid, hi)
@@ -280,10 +281,10 @@ def _query(config: SurFreeConfig, state: SurFreeState, model: LabelOracle) -> Su
     theta = jnp.where(state.phase == SEARCH, trial, state.sign * mid)
     on_circle = circle_point(x0, u, v, dist, theta)
     on_blend = x0 + ((1.0 - mid) * dist)[:, None] * u
-    noise = _noise(noise_keys, 1, state.x0)[0]
+    noise = _noise(noise_keys, 1, state.x0, model.grid)[0]
     point = jnp.where((state.phase == BLEND)[:, None], on_blend, on_circle).reshape(shape)
     at_noise = norms.per_example(state.phase == NOISE, point)
-    point = jnp.where(at_noise, noise, _quantized(point, state.x0))
+    point = jnp.where(at_noise, noise, _quantized(point, state.x0, model.grid))
     adv = _fooled(model, point, state.y)
 
     # 3. Keep the closest adversarial point; move each example's search on.

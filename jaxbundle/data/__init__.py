@@ -10,6 +10,7 @@ Images are numpy ``float32`` arrays of shape ``[N, H, W, C]`` with pixels in
   ``tensorflow-datasets`` package (``pip install 'jaxbundle[tfds]'``).
 * :func:`batches` yields batches of a constant size, padding the last one and
   marking real rows with a mask, so jitted code never sees a new shape.
+* :func:`translate` moves images by a sub-pixel offset: off-grid data for testing.
 
 Nothing is downloaded at import time.
 """
@@ -29,6 +30,7 @@ __all__ = [
     "load_mnist_sample",
     "load_tfds",
     "num_batches",
+    "translate",
     "validate_images",
 ]
 
@@ -268,6 +270,25 @@ def load_tfds(
     num_classes = int(info.features["label"].num_classes)
     validate_images(x, y, num_classes)
     return Dataset(x=x, y=y, num_classes=num_classes, name=f"{name}/{split}")
+
+
+def translate(x: np.ndarray, dy: float, dx: float) -> np.ndarray:
+    """Images ``[N, H, W, C]`` in [0, 1] moved by a sub-pixel offset ``(dy, dx)`` with bilinear
+    interpolation (edge pixels repeated): ordinary off-grid data, as after resizing or
+    augmenting 8-bit images, whose pixels fall between the 8-bit levels. float32."""
+    x = np.asarray(x, np.float32)
+    if x.ndim != 4:
+        raise ValueError(f"translate needs images [N, H, W, C], got shape {x.shape}")
+
+    def shift(a: np.ndarray, offset: float, axis: int) -> np.ndarray:
+        whole, frac = int(np.floor(offset)), offset - np.floor(offset)
+        n = a.shape[axis]
+        idx = np.clip(np.arange(n) - whole, 0, n - 1)
+        prev = np.clip(idx - 1, 0, n - 1)
+        return (1 - frac) * np.take(a, idx, axis=axis) + frac * np.take(a, prev, axis=axis)
+
+    out = shift(shift(x, dy, 1), dx, 2)
+    return np.clip(out, 0.0, 1.0).astype(np.float32)
 
 
 def num_batches(n: int, batch_size: int) -> int:

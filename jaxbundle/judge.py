@@ -1,0 +1,170 @@
+"""Judging: how a candidate becomes a verified success, the same for every attack.
+
+A success is judged on what a user would actually submit, re-run through the model in float32:
+
+* **On the 8-bit grid** for an example whose clean image is on it (8-bit data): the image is
+  rounded to the nearest grid image inside the eps ball and the box
+  (:func:`jaxbundle.norms.quantize`; a min-norm candidate, which ignores eps, by
+  :func:`quantize_min_norm`). The grid holds fewer images than the ball: the largest
+  distortion it allows is :func:`jaxbundle.norms.grid_radius` (whole levels, e.g. 7/255 for
+  Linf eps 0.031), which every report states, and the bundler runs the attacks of these
+  examples at that radius, so that no saturated perturbation has to be cut back by the
+  rounding (at Linf 0.3, attacking at 0.3 and rounding to 76/255 judged 2 points more robust
+  than attacking at 76/255).
+* **In float32** for an example whose clean image is off the grid (resized, blurred or
+  augmented data, where no 8-bit image is the clean image) and for every example under
+  ``judging="float"``: the candidate as the attack made it.
+
+Either way the judged image must lie in the box and (for goals bound to eps) the ball, give
+finite logits and be misclassified, **and** the attack's own candidate must have been
+misclassified: a success that only the judge's rounding or stretching produced is never
+credited to an attack, and a black-box attack's image is judged exactly as it queried it (no
+stretching), so query counts stay exact.
+
+Modes (``judging=``): ``"auto"`` (default) as above; ``"grid"`` the same but every clean image
+must be on the grid (a clear error otherwise); ``"float"`` everything in float32.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jaxbundle import goals as goals_lib
+from jaxbundle import norms
+from jaxbundle.attacks.base import WhiteBoxModel
+
+if TYPE_CHECKING:
+    from jaxbundle.bundler import BestState
+
+__all__ = [
+    "JUDGING",
+    "STRETCH",
+    "check_judging",
+    "judged_on_grid",
+    "quantize_min_norm",
+    "verify",
+    "statement",
+]
+
+# Min-norm verification: stretch factors tried on a white-box perturbation before rounding it.
+STRETCH = (1.0, 1.01, 1.03, 1.1, 1.3)
+JUDGING = ("auto", "grid", "float")
+
+
+def check_judging(judging: str) -> str:
+    """Returns ``judging`` if it is a known judging mode, else raises ``ValueError``."""
+    if judging not in JUDGING:
+        raise ValueError(f"judging must be one of {JUDGING}, got {judging!r}")
+    return judging
+
+
+def judged_on_grid(x0: jax.Array, judging: str) -> jax.Array:
+    """Per example ``[B]``: whether its candidates are judged on the 8-bit grid.
+
+    ``"auto"`` and ``"grid"``: where the clean image is on the grid (:func:`norms.on_grid`;
+    ``"grid"`` additionally requires every image to be, at the boundary); ``"float"``: never.
+    """
+    if check_judging(judging) == "float":
+        return jnp.zeros(x0.shape[:1], bool)
+    return norms.on_grid(x0)
+
+
+def quantize_min_norm(
+    model: WhiteBoxModel,
+    x: jax.Array,
+    x0: jax.Array,
+    y: jax.Array,
+    adversarial: jax.Array,
+    stretch: Sequence[float] = STRETCH,
+) -> jax.Array:
+    """Rounds min-norm candidates to the pixel grid without losing them to the rounding.
+
+    A minimum-norm candidate sits just past the decision boundary, where rounding each pixel
+    to the nearest level often lands back on the clean side. Where the candidate itself is
+    ``adversarial``, its perturbation is stretched by the smallest factor of ``stretch`` whose
+    rounded image is still misclassified (by 1 when none is), then rounded; elsewhere it is
+    rounded as it is. ``len(stretch) - 1`` forward passes (none for ``stretch=(1.0,)``).
+    """
+    if tuple(stretch) == (1.0,):
+        return norms.quantize(x, x0)
+
+    def rounded(s):
+        xs = norms.quantize(norms.project_box(x0 + s * (x - x0)), x0)
+        return xs, jnp.argmax(model.logits(xs), axis=-1) != y
+
+    xs, fooled = jax.vmap(rounded)(jnp.asarray(stretch, jnp.float32))
+    fooled = fooled & adversarial[None, :]
+    first = jnp.where(jnp.any(fooled, axis=0), jnp.argmax(fooled, axis=0), 0)
+    return jnp.take_along_axis(xs, first.reshape((1, -1) + (1,) * (xs.ndim - 2)), axis=0)[0]
+
+
+def verify(
+    best: "BestState",
+    goal: str,
+    model: WhiteBoxModel,
+    x0: jax.Array,
+    y: jax.Array,
+    eps: jax.Array,
+    norm: str,
+    grid: jax.Array,
+    clean: "BestState",
+    stretch: Sequence[float] = STRETCH,
+) -> "BestState":
+    """Judges a best state on what a user would submit.
+
+    Examples judged on the grid (``grid`` ``[B]``, see :func:`judged_on_grid`) get their image
+    rounded to the 8-bit grid: for goals bound to eps, the nearest grid image inside the ball
+    and the box (:func:`jaxbundle.norms.quantize`); for min-norm, :func:`quantize_min_norm`
+    with ``stretch``. The others are judged as they are, in float32. The judged image is
+    re-run through the model in float32 and rescored. A candidate outside the box, with
+    non-finite logits, or (for eps-bound goals) outside the ball gets the worst score (not
+    misclassified, margin -inf, distortion inf), so that it never wins a fold.
+
+    Nothing is credited that the attack did not find: where the judged image is misclassified
+    but the attack's own candidate was not (the rounding alone flipped it), the example falls
+    back to ``clean``, the clean image's state.
+    """
+    if goal != "min_norm":
+        rounded = norms.quantize(best.x, x0, eps, norm)
+    else:
+        rounded = quantize_min_norm(model, best.x, x0, y, best.score.misclassified, stretch)
+    x = jnp.where(norms.per_example(grid, x0), rounded, best.x)
+    logits = model.logits(x)
+    s = goals_lib.score(x, logits, x0, y, norm)
+    flat = x.reshape(x.shape[0], -1)
+    valid = jnp.all((flat >= 0.0) & (flat <= 1.0), axis=1) & jnp.all(jnp.isfinite(logits), axis=1)
+    if goal != "min_norm":
+        valid &= goals_lib.within(s, eps)
+    # An invalid image must never win a fold for any goal: worst possible score.
+    invalid = goals_lib.Score(
+        misclassified=jnp.zeros_like(s.misclassified),
+        distortion=jnp.full_like(s.distortion, jnp.inf),
+        confidence=jnp.zeros_like(s.confidence),
+        margin=jnp.full_like(s.margin, -jnp.inf),
+        prediction=s.prediction,
+    )
+    s = jax.tree.map(lambda good, bad: jnp.where(valid, good, bad), s, invalid)
+    judged = best._replace(x=x, score=s)
+    return norms.tree_where(s.misclassified & ~best.score.misclassified, clean, judged)
+
+
+def statement(judging: str, eps: float, norm: str, n_grid: int, n: int) -> str:
+    """One line for reports: how ``n`` examples were judged and the radius the judging allows,
+    e.g. ``"eps 0.031 (linf): 1000 of 1000 examples judged on the 8-bit grid, which allows
+    7/255 = 0.0275"``."""
+    check_judging(judging)
+    parts = []
+    if n_grid:
+        r = norms.grid_radius(eps, norm)
+        if norm == "l2":
+            allows = f"sqrt({round((r * norms.PIXEL_LEVELS) ** 2)})/255 = {r:.4g}"
+        else:
+            allows = f"{round(r * norms.PIXEL_LEVELS)}/255 = {r:.4g}"
+        parts.append(f"{n_grid} of {n} examples judged on the 8-bit grid, which allows {allows}")
+    if n - n_grid:
+        why = "judging='float'" if judging == "float" else "clean images off the 8-bit grid"
+        parts.append(f"{n - n_grid} of {n} judged in float32 ({why}), radius {eps:g}")
+    return f"eps {eps:g} ({norm}): " + "; ".join(parts)
