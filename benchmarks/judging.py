@@ -13,8 +13,12 @@ For Linf and L2, eps on a pixel level (51/255, 510/255) and between levels (0.3,
 bundle (``fast``: APGD-CE and APGD-T with 3 targets, 20 steps each, plus Square with 500
 queries, which searches on the grid) runs through ``jaxbundle.evaluate.evaluate`` twice: with
 ``judging="auto"`` (the default: on the 8-bit grid where the clean image is on it, in float32
-elsewhere) and with ``judging="float"``. The table gives both robust accuracies, their
-difference and how many examples were judged on the grid.
+elsewhere) and with ``judging="float"``, and where eps lies between levels once more in float32
+at the radius the grid allows (``norms.grid_radius``: 76/255 for Linf 0.3). The table gives
+the robust accuracies, the difference between judged and float32 and how many examples were
+judged on the grid; ``differ`` counts the examples whose success on the grid differs from
+float32 at the grid's radius (0: the grid changes the figure by its radius, nothing else; for
+off-grid data, from float32 at eps).
 
     python benchmarks/judging.py                 # N=256, ~6 min on 2 CPU cores
     python benchmarks/judging.py --n 64 --quick  # smoke test
@@ -60,35 +64,44 @@ def main(argv: list[str] | None = None) -> int:
     sets = datasets(args.n)
     rows = []
     settings = SETTINGS[:1] if args.quick else SETTINGS
-    print(f"| data | norm | eps | grid radius | judged (auto) | float32 | difference | "
-          f"judged on grid | seconds |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| data | norm | eps | grid radius | judged (auto) | float32 | difference | "
+          "float32 at the grid radius | differ | judged on grid | seconds |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for norm, eps in settings:
         bundle = bundle_for(norm, args.queries)
         for name, (x, y) in sets.items():
-            out = {}
-            for judging in ("auto", "float"):
+            radius = norms.grid_radius(eps, norm)
+            runs = {"auto": eps, "float": eps}
+            if radius != eps and np.all(norms.on_grid(x)):  # off the grid, auto is float32
+                runs["float@radius"] = radius
+            out, success = {}, {}
+            for run, e in runs.items():
                 start = time.perf_counter()
-                ev = evaluate(apply_fn, params, x, y, bundle, eps=eps, norm=norm,
-                              goals=("misclassify",), judging=judging, batch_size=128)
-                out[judging] = ev.metrics
-                out[judging]["seconds"] = time.perf_counter() - start
+                ev = evaluate(apply_fn, params, x, y, bundle, eps=e, norm=norm,
+                              goals=("misclassify",), judging=run.split("@")[0], batch_size=128)
+                out[run], success[run] = ev.metrics, ev.per_example["success"]
+                out[run]["seconds"] = time.perf_counter() - start
             auto, flt = out["auto"], out["float"]
+            at_radius = out.get("float@radius", flt)
+            differ = int(np.sum(success["auto"] != success.get("float@radius", success["float"])))
             row = {
                 "data": name, "norm": norm, "eps": eps,
                 "grid_radius": norms.grid_radius(eps, norm),
                 "clean_accuracy": auto["clean_accuracy"],
                 "judged_robust_accuracy": auto["robust_accuracy"],
                 "float_robust_accuracy": flt["robust_accuracy"],
+                "float_robust_accuracy_at_grid_radius": at_radius["robust_accuracy"],
+                "differ_from_float_at_grid_radius": differ,
                 "judged_mat": auto["mat"], "float_mat": flt["mat"],
                 "grid_examples": auto["judging"]["grid_examples"],
                 "statement": auto["judging"]["statement"],
-                "seconds": auto["seconds"] + flt["seconds"],
+                "seconds": sum(m["seconds"] for m in out.values()),
             }
             rows.append(row)
             print(f"| {name} | {norm} | {eps:.4g} | {row['grid_radius']:.4g} | "
                   f"{row['judged_robust_accuracy']:.1f} | {row['float_robust_accuracy']:.1f} | "
                   f"{row['judged_robust_accuracy'] - row['float_robust_accuracy']:+.1f} | "
+                  f"{at_radius['robust_accuracy']:.1f} | {differ} | "
                   f"{row['grid_examples']}/{args.n} | {row['seconds']:.0f} |", flush=True)
     result = {
         "n": args.n, "queries": args.queries, "model": "jaxbundle.models.ADVERSARIAL",

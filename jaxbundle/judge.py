@@ -146,15 +146,15 @@ def verify(
         margin=jnp.full_like(s.margin, -jnp.inf),
         prediction=s.prediction,
     )
-    s = jax.tree.map(lambda good, bad: jnp.where(valid, good, bad), s, invalid)
-    judged = best._replace(x=x, score=s)
-    return norms.tree_where(s.misclassified & ~best.score.misclassified, clean, judged)
+    judged = best._replace(x=x, score=norms.tree_where(valid, s, invalid))
+    credited = ~judged.score.misclassified | best.score.misclassified
+    return norms.tree_where(credited, judged, clean)
 
 
 def statement(judging: str, eps: float, norm: str, n_grid: int, n: int) -> str:
     """One line for reports: how ``n`` examples were judged and the radius the judging allows,
     e.g. ``"eps 0.031 (linf): 1000 of 1000 examples judged on the 8-bit grid, which allows
-    7/255 = 0.0275"``."""
+    7/255 = 0.02745"``."""
     check_judging(judging)
     parts = []
     if n_grid:

@@ -231,7 +231,7 @@ def print_tables(console: Console, results: dict[str, tuple[Evaluation, float]])
     for name, (evaluation, _) in results.items():
         m = evaluation.metrics
         console.print(table(name, m))
-        console.print(f"  judged: {m['judging']['statement']}", highlight=False)
+        console.print(f"  judged: {m['judging']['statement']}", highlight=False, soft_wrap=True)
         half = m.get("half_distortion")
         if half:
             console.print(

@@ -76,9 +76,11 @@ def test_evaluate_end_to_end(tmp_path):
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     assert "bundled robust" in run.stdout and "MAT" in run.stdout
+    judged = "eps 0.3 (linf): 24 of 24 examples judged on the 8-bit grid, which allows 76/255"
+    assert judged in run.stdout
 
     report = json.loads((out / "report.json").read_text())
-    assert report["schema_version"] == 1
+    assert report["schema_version"] == 1 and report["config"]["judging"] == "auto"
     default = ["fgsm", "pgd-ce", "pgd-margin", "fmn", "square", "rays"]
     assert report["config"]["attacks"] == default and report["config"]["bundle"] == "default"
     assert set(report["models"]) == {"standard", "adversarial"}
@@ -87,6 +89,8 @@ def test_evaluate_end_to_end(tmp_path):
                     "n_examples", "eps", "norm", "seed"):
             assert key in m, key
         assert m["n_examples"] == 24 and m["eps"] == 0.3 and m["norm"] == "linf" and m["seed"] == 5
+        assert m["judging"]["mode"] == "auto" and m["judging"]["grid_examples"] == 24
+        assert m["judging"]["statement"].startswith(judged)
         assert set(m["mat"]) == set(default)
         assert m["robust_accuracy"] <= min(m["white_box_robust_accuracy"], m["black_box_robust_accuracy"])
         for kind in ("white_box", "black_box", "bundled"):
@@ -109,6 +113,7 @@ def test_evaluate_end_to_end(tmp_path):
 
     md = (out / "report.md").read_text()
     assert "## adversarial" in md and "D1/2" in md and ".png)" in md
+    assert f"Judged: {judged}" in md
 
     compare = subprocess.run([sys.executable, "-m", "jaxbundle", "compare", str(out)],
                              capture_output=True, text=True, timeout=300)

@@ -25,6 +25,7 @@ from jaxbundle.evaluate import evaluate
 from toys import KEY, images, linear_apply, linear_problem
 
 N = 160  # test images per setting
+GAP = 16  # at most this many examples get the finer search
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +63,7 @@ def recheck(apply_fn, params, x0, ev, eps, norm):
 
 def fast(norm):
     """The `fast` bundle and Square on the grid (a black-box attack that searches on it)."""
-    return suites.bundle_attacks("fast", norm) + (attacks.square(norm, queries=300),)
+    return suites.bundle_attacks("fast", norm) + (attacks.square(norm, queries=200),)
 
 
 # (model, norm, eps): eps on a pixel level and between levels, where the model is neither
@@ -80,40 +81,55 @@ SETTINGS = [
 
 @pytest.mark.slow
 @pytest.mark.parametrize("model, norm, eps", SETTINGS)
-def test_judged_robust_accuracy_is_within_a_point_of_float32(trained, digits, model, norm, eps):
+def test_judged_robust_accuracy_matches_float32(trained, digits, model, norm, eps):
+    """On 8-bit images, judging on the grid changes the figure by the grid's smaller radius and
+    nothing else; off the grid, images are judged in float32 and no success is lost."""
     apply_fn, params = trained[model]
     sets, y = digits
-    run = lambda x, judging: evaluate(  # noqa: E731
-        apply_fn, params, x, y, fast(norm), eps=eps, norm=norm, goals=("misclassify",),
+    run = lambda x, judging, e=eps: evaluate(  # noqa: E731
+        apply_fn, params, x, y, fast(norm), eps=e, norm=norm, goals=("misclassify",),
         judging=judging, batch_size=N, seed=1,
     )
-    # On 8-bit images: judged on the grid, within a point of float32 judging.
     on, flt = run(sets["on-grid"], "auto"), run(sets["on-grid"], "float")
     assert on.metrics["judging"]["grid_examples"] == N
     assert flt.metrics["judging"]["grid_examples"] == 0
-    assert abs(on.metrics["robust_accuracy"] - flt.metrics["robust_accuracy"]) <= 1.0, (
-        on.metrics["robust_accuracy"], flt.metrics["robust_accuracy"])
-    # What the grid does to the figure is its smaller radius, nothing else: judged on the
-    # grid at eps, the successes are those of float32 judging at the grid's radius.
-    radius = norms.grid_radius(eps, norm)
-    at_radius = flt if radius == eps else evaluate(
-        apply_fn, params, sets["on-grid"], y, fast(norm), eps=radius, norm=norm,
-        goals=("misclassify",), judging="float", batch_size=N, seed=1)
-    differ = on.per_example["success"] != at_radius.per_example["success"]
-    assert differ.sum() <= 0.01 * N, differ.sum()
     recheck(apply_fn, params, sets["on-grid"], on, eps, norm)
     recheck(apply_fn, params, sets["on-grid"], flt, eps, norm)
+    judged, floated = on.metrics["robust_accuracy"], flt.metrics["robust_accuracy"]
+    # The grid's radius is whole levels (7/255 for 0.031); the statement says so.
+    radius = norms.grid_radius(eps, norm)
+    if norm == "linf":
+        assert f"allows {round(radius * 255)}/255" in on.metrics["judging"]["statement"]
+    # Judged on the grid at eps, the successes are those of float32 judging at that radius.
+    at_radius = flt if radius == eps else run(sets["on-grid"], "float", radius)
+    differ = on.per_example["success"] != at_radius.per_example["success"]
+    assert differ.sum() <= 0.01 * N, differ.sum()
+    assert abs(judged - at_radius.metrics["robust_accuracy"]) <= 1.0
+    if radius >= eps * (1 - 1e-6):  # eps on a level: the same figure
+        assert abs(judged - floated) <= 1.0, (judged, floated)
+    else:  # between levels the grid holds fewer (76 of 76.5 for 0.3, 7 of 7.9 for 0.031)
+        assert judged >= floated - 1.0, (judged, floated)
+    # Tell a grid effect from a judging defect: a finer search (APGD-CE 100 x 4) on the
+    # examples only float32 judging at eps fooled. Where it fools one in float32 at the grid's
+    # radius, it must fool it on the grid too; what survives on the grid is a grid effect.
+    gap = np.flatnonzero(flt.per_example["success"] & ~on.per_example["success"])[:GAP]
+    if gap.size:
+        finer = [attacks.apgd(norm, steps=100, restarts=4)]
+        rows = np.resize(gap, GAP)  # a fixed shape: one compilation per norm
+        xg, yg = jnp.asarray(sets["on-grid"][rows]), jnp.asarray(y[rows])
+        on_grid = bundle(finer, apply_fn, params, xg, yg, KEY, eps=eps, norm=norm)
+        in_float = bundle(finer, apply_fn, params, xg, yg, KEY, eps=radius, norm=norm,
+                          judging="float")
+        defect = np.asarray(in_float.attack_success[0]) & ~np.asarray(on_grid.attack_success[0])
+        defect = defect[: gap.size]
+        assert defect.sum() <= max(1, 0.2 * gap.size), (defect.sum(), gap.size)
     # Off the grid: judged in float32, said so, and no success lost to rounding.
     off = run(sets["off-grid"], "auto")
     assert off.metrics["judging"]["grid_examples"] == 0
     assert "judged in float32 (clean images off the 8-bit grid)" in off.metrics["judging"]["statement"]
     off_float = run(sets["off-grid"], "float")
-    assert off.metrics["robust_accuracy"] == off_float.metrics["robust_accuracy"]
+    np.testing.assert_array_equal(off.per_example["success"], off_float.per_example["success"])
     recheck(apply_fn, params, sets["off-grid"], off, eps, norm)
-    # The statement gives the radius the grid allows (e.g. 7/255 for 0.031).
-    levels = round(norms.grid_radius(eps, norm) * 255) if norm == "linf" else None
-    if levels is not None:
-        assert f"allows {levels}/255" in on.metrics["judging"]["statement"]
 
 
 @pytest.mark.slow

@@ -63,9 +63,10 @@ class Candidate(NamedTuple):
     logits: jax.Array | None  # [B, K]; None when the attack saw labels only
 
 
-class ScoreOracle:
-    """What a score-based attacker sees: the logits of a batch, without gradients, and (as
-    ``grid``, see :class:`WhiteBoxModel`) how each example will be judged."""
+class _Oracle:
+    """A black-box view of the model: ``_answer`` of the images and nothing else (the model
+    stays in a closure), plus ``grid`` (see :class:`WhiteBoxModel`): how each example will be
+    judged."""
 
     __slots__ = ("_fn", "grid")
 
@@ -75,34 +76,41 @@ class ScoreOracle:
         params: Any,
         grid: jax.Array | None = None,
     ):
-        self._fn = lambda x: jax.lax.stop_gradient(apply_fn(params, x).astype(jnp.float32))
+        answer = type(self)._answer
+        self._fn = lambda x: answer(apply_fn(params, jax.lax.stop_gradient(x)))
         self.grid = grid
+
+    @staticmethod
+    def _answer(logits: jax.Array) -> jax.Array:
+        raise NotImplementedError
+
+
+class ScoreOracle(_Oracle):
+    """What a score-based attacker sees: the logits of a batch, without gradients."""
+
+    __slots__ = ()
+
+    @staticmethod
+    def _answer(logits: jax.Array) -> jax.Array:
+        return jax.lax.stop_gradient(logits.astype(jnp.float32))
 
     def logits(self, x: jax.Array) -> jax.Array:
         """Logits ``[B, K]`` for images ``[B, ...]``; one query per example."""
-        return self._fn(jax.lax.stop_gradient(x))
+        return self._fn(x)
 
 
-class LabelOracle:
-    """What a decision-based attacker sees: the predicted label of each image, and (as
-    ``grid``, see :class:`WhiteBoxModel`) how each example will be judged."""
+class LabelOracle(_Oracle):
+    """What a decision-based attacker sees: the predicted label of each image."""
 
-    __slots__ = ("_fn", "grid")
+    __slots__ = ()
 
-    def __init__(
-        self,
-        apply_fn: Callable[[Any, jax.Array], jax.Array],
-        params: Any,
-        grid: jax.Array | None = None,
-    ):
-        self._fn = lambda x: jnp.argmax(
-            jax.lax.stop_gradient(apply_fn(params, x)), axis=-1
-        ).astype(jnp.int32)
-        self.grid = grid
+    @staticmethod
+    def _answer(logits: jax.Array) -> jax.Array:
+        return jnp.argmax(jax.lax.stop_gradient(logits), axis=-1).astype(jnp.int32)
 
     def label(self, x: jax.Array) -> jax.Array:
         """Predicted labels ``[B]`` (int32) for images ``[B, ...]``; one query per example."""
-        return self._fn(jax.lax.stop_gradient(x))
+        return self._fn(x)
 
 
 def check_kind(kind: str) -> str:
