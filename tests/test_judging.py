@@ -63,7 +63,7 @@ def recheck(apply_fn, params, x0, ev, eps, norm):
 
 def fast(norm):
     """The `fast` bundle and Square on the grid (a black-box attack that searches on it)."""
-    return suites.bundle_attacks("fast", norm) + (attacks.square(norm, queries=200),)
+    return suites.bundle_attacks("fast", norm) + (attacks.square(norm, queries=100),)
 
 
 # (model, norm, eps): eps on a pixel level and between levels, where the model is neither
@@ -324,3 +324,39 @@ def test_only_white_box_min_norm_candidates_are_stretched():
         f = bundle([fixed_min_norm_attack(kind, 0.45)], apply_fn, threshold, x0, y, KEY,
                    eps=0.1, judging="float")
         assert bool(f.best["min_norm"].score.misclassified[0]), kind
+
+
+class ColourCNN(nn.Module):
+    """A small flax nn.Conv network for colour 32 x 32 images (random weights)."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(8, (3, 3), strides=(2, 2), padding="SAME")(x))
+        x = nn.relu(nn.Conv(16, (3, 3), strides=(2, 2), padding="SAME")(x))
+        return nn.Dense(10)(x.reshape(x.shape[0], -1))
+
+
+@pytest.mark.parametrize("norm, eps", [("linf", 1 / 255), ("linf", 0.006), ("l2", 0.1)])
+def test_colour_images_judged_like_float32_at_the_grid_radius(norm, eps):
+    """CIFAR-sized colour images (8-bit, and the same moved off the grid) and an nn.Conv model:
+    on the grid every verdict is float32's at the grid's radius; off it, float32's at eps."""
+    module = ColourCNN()
+    rng = np.random.default_rng(5)
+    x = (rng.integers(0, 256, (32, 32, 32, 3)) / 255).astype(np.float32)
+    params = module.init(jax.random.key(0), x[:1])
+    y = np.asarray(jnp.argmax(module.apply(params, x), axis=1)).astype(np.int32)
+    bundle_ = [attacks.apgd(norm, steps=10), attacks.square(norm, queries=50)]
+    run = lambda images_, e, judging: evaluate(  # noqa: E731
+        module.apply, params, images_, y, bundle_, eps=e, norm=norm, goals=("misclassify",),
+        judging=judging, batch_size=32)
+    radius = norms.grid_radius(eps, norm)
+    judged, at_radius = run(x, eps, "auto"), run(x, radius, "float")
+    assert judged.metrics["judging"]["grid_examples"] == 32
+    ok = recheck(module.apply, params, x, judged, eps, norm)
+    assert 0 < ok.sum() < 32, "the setting must fool some examples, not all"
+    differ = judged.per_example["success"] != at_radius.per_example["success"]
+    assert differ.sum() <= 1, differ.sum()
+    moved = data.translate(x, 0.5, 0.25)
+    off = run(moved, eps, "auto")
+    assert off.metrics["judging"]["grid_examples"] == 0
+    recheck(module.apply, params, moved, off, eps, norm)
