@@ -383,7 +383,7 @@ def check_inputs(
                 f"found {sorted(set(bad.tolist()))[:10]}"
             )
         if check_judging(judging) == "grid":
-            off = int(np.sum(~norms.on_grid(xh.astype(np.float32))))
+            off = int(np.sum(~norms.on_grid(np.asarray(xh, np.float32))))
             if off:
                 raise ValueError(
                     f"judging='grid' needs clean images on the 8-bit grid (k/255), but {off} of "

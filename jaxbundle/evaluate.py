@@ -264,7 +264,7 @@ def evaluate(
     names = tuple(a.name for a in attacks)
     black_box = tuple(a.black_box for a in attacks)
     eps_value = float(eps)
-    all_on_grid = judging != "float" and bool(np.all(norms.on_grid(x.astype(np.float32))))
+    all_on_grid = judging != "float" and bool(np.all(norms.on_grid(np.asarray(x, np.float32))))
     # Host-side state only (numpy): counts are summed here, never by eager ops on global arrays.
     counts = jax.tree.map(np.asarray, Counts.empty(len(attacks)))
     chunks: dict[str, list[np.ndarray]] = {}

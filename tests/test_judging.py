@@ -126,7 +126,8 @@ def test_judged_robust_accuracy_matches_float32(trained, digits, model, norm, ep
     # Off the grid: judged in float32, said so, and no success lost to rounding.
     off = run(sets["off-grid"], "auto")
     assert off.metrics["judging"]["grid_examples"] == 0
-    assert "judged in float32 (clean images off the 8-bit grid)" in off.metrics["judging"]["statement"]
+    statement = off.metrics["judging"]["statement"]
+    assert "judged in float32 (clean images off the 8-bit grid)" in statement
     off_float = run(sets["off-grid"], "float")
     np.testing.assert_array_equal(off.per_example["success"], off_float.per_example["success"])
     recheck(apply_fn, params, sets["off-grid"], off, eps, norm)
@@ -157,7 +158,9 @@ class FlaxCNN(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        conv = lambda c, name: nn.Conv(c, (5, 5), strides=(2, 2), padding="SAME", name=name)  # noqa: E731
+        def conv(channels, name):
+            return nn.Conv(channels, (5, 5), strides=(2, 2), padding="SAME", name=name)
+
         x = nn.relu(conv(16, "conv1")(x))
         x = nn.relu(conv(32, "conv2")(x))
         x = nn.relu(nn.Dense(100, name="hidden")(x.reshape(x.shape[0], -1)))

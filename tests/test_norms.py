@@ -689,7 +689,8 @@ def test_quantize_l2_keeps_the_norm_at_imagenet_size(kind):
     elif kind == "signs":
         delta = np.sign(delta)
     delta = delta / np.linalg.norm(delta.reshape(2, -1), axis=1).reshape(2, 1, 1, 1) * 3.0
-    x = np.asarray(project(jnp.asarray((x0 + delta).astype(np.float32)), jnp.asarray(x0), 3.0, "l2"))
+    x = (x0 + delta).astype(np.float32)
+    x = np.asarray(project(jnp.asarray(x), jnp.asarray(x0), 3.0, "l2"))
     q = np.asarray(quantize(jnp.asarray(x), jnp.asarray(x0), 3.0, "l2"))
     assert on_grid(q) and np.all(np.asarray(in_ball(jnp.asarray(q - x0), 3.0, "l2")))
     before = np.linalg.norm((x - x0).reshape(2, -1).astype(np.float64), axis=1)

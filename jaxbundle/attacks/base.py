@@ -22,7 +22,8 @@ Configuration is a hashable ``NamedTuple`` so that an :class:`Attack` built twic
 arguments compares equal and reuses the compiled program.
 
 ``model`` is what the threat model lets the attack see, chosen by the bundler from
-``Attack.kind`` (each also carries ``grid``, which examples are judged on the 8-bit grid): white-box attacks get a :class:`WhiteBoxModel` (logits and gradients),
+``Attack.kind`` (each also carries ``grid``: which examples are judged on the 8-bit grid):
+white-box attacks get a :class:`WhiteBoxModel` (logits and gradients),
 score-based attacks a :class:`ScoreOracle` (``logits(x)``, no gradients), decision-based
 attacks a :class:`LabelOracle` (``label(x)`` only). Oracles hold the model in a closure and
 expose nothing else. Every oracle call on a batch is one query per example; an attack declares

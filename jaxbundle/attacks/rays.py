@@ -80,7 +80,9 @@ class RaySState(NamedTuple):
     block: jax.Array  # int32 [B] index of the next block to flip, in [0, min(2^s, D))
 
 
-def ray_image(x0: jax.Array, d: jax.Array, k: jax.Array, grid: jax.Array | None = None) -> jax.Array:
+def ray_image(
+    x0: jax.Array, d: jax.Array, k: jax.Array, grid: jax.Array | None = None
+) -> jax.Array:
     """``clip(x0 + k/255 d)`` per example, rounded to the grid where ``x0`` is on it
     (:func:`jaxbundle.norms.snap_to_grid`; ``grid``: the judging mask): the image at radius
     level ``k [B]``."""

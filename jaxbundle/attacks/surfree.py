@@ -5,7 +5,8 @@ SurFree estimates no gradient. It walks along the decision boundary by trying, f
 direction after another, a few angles on a circle through the current point ``x_b``.
 
 Init (``init_queries = init_trials + init_search_steps``)
-    ``init_trials`` uniform-noise images (rounded like every query point) are queried in one batched call;
+    ``init_trials`` uniform-noise images (rounded like every query point) are queried in one
+    batched call;
     the first one the model does not label ``y`` is the starting point, and a bisection of
     ``init_search_steps`` queries over ``t`` on the blend ``x0 + t (noise - x0)`` brings it
     next to the boundary. An example that no noise fools stays at ``x0``; its queries in the
@@ -30,10 +31,10 @@ a slice of the paper's sequential algorithm and no query is wasted on a static s
    the next larger one ``|θ| + θ_max / trials`` (capped at π/2, which is ``x0``);
    ``θ_max <- θ_max / rho`` (capped at π/2); back to 1.
 
-Every query point is clipped to the box and, where the clean image is on the 8-bit grid,
-rounded to it (:func:`jaxbundle.norms.snap_to_grid`) before the oracle sees it, so the image
-the oracle labels is the one the bundle judges; ``x_b`` (``state.x``, the step's candidate) is always the closest quantised
-image the oracle has labelled wrong. The budget is exact and static:
+Every query point is clipped to the box and, for an example judged on the 8-bit grid, rounded
+to it (:func:`jaxbundle.norms.snap_to_grid`) before the oracle sees it, so the image the
+oracle labels is the one the bundle judges; ``x_b`` (``state.x``, the step's candidate) is
+always the closest such image the oracle has labelled wrong. The budget is exact and static:
 ``queries = restarts * (init_queries + num_steps * queries_per_step)``.
 
 Defaults follow the paper: ``θ_max`` = 30°, ``rho = 0.98``, ``history = 100`` (its
