@@ -1,7 +1,8 @@
 """The ``jaxbundle`` command.
 
-``jaxbundle evaluate``  trains (once, cached) or loads the demo models, runs the attack bundle on
-                        the embedded MNIST test sample and writes a report directory.
+``jaxbundle evaluate``  evaluates the demo models (trained once, cached) or your own
+                        (``--model MODULE:FUNCTION``) on the embedded MNIST sample or your data
+                        (``--data npz:PATH`` / ``tfds:NAME``) and writes a report directory.
 ``jaxbundle attacks``   lists the available attacks and bundles.
 ``jaxbundle compare``   puts the models of one or more reports side by side (RoBIC's table).
 
@@ -12,14 +13,14 @@ the library.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
-import time
 from typing import Sequence
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from jaxbundle.presets import PRESETS
 from jaxbundle.suites import ATTACKS, BUNDLES, bundle_attacks
 
 __all__ = ["main", "build_attacks"]
@@ -75,55 +76,114 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
-    ev = sub.add_parser("evaluate", help="evaluate the demo models on the embedded MNIST sample")
-    ev.add_argument("--n", type=_positive_int, default=1000, help="first N test examples (max 2000)")
-    ev.add_argument("--eps", type=_non_negative_float, default=0.3, help="radius of the eps ball")
-    ev.add_argument("--norm", choices=("linf", "l2"), default="linf")
-    ev.add_argument(
+    ev = sub.add_parser("evaluate", help="evaluate models on a dataset and write a report")
+    what = ev.add_argument_group("models and data")
+    what.add_argument(
+        "--model", action="append", default=[], metavar="[NAME=]MODULE:FUNCTION",
+        help="your model: FUNCTION() returns (apply_fn, params); MODULE is a dotted module or "
+        "a path/to/file.py (repeatable)",
+    )
+    what.add_argument(
+        "--models", type=_csv, default=None,
+        help="demo models to evaluate (default: standard,adversarial when no --model is given)",
+    )
+    what.add_argument(
+        "--data", default="mnist-sample",
+        help="mnist-sample[:SPLIT] (default), npz:PATH (x [N,H,W,C] uint8 or floats in [0,1], "
+        "y [N]) or tfds:NAME[:SPLIT] (tensorflow-datasets, array_record, no TensorFlow)",
+    )
+    what.add_argument("--data-dir", default=None, help="tensorflow-datasets data_dir")
+    what.add_argument(
+        "--download", action="store_true", help="let tfds download and prepare the dataset"
+    )
+    what.add_argument(
+        "--image-size", type=_positive_int, default=None,
+        help="tfds only: resize the shorter side and centre-crop to this size (ImageNet: 224)",
+    )
+    what.add_argument(
+        "--n", type=_positive_int, default=None,
+        help="first N examples (default: 1000 of mnist-sample, else all)",
+    )
+    threat = ev.add_argument_group("threat model and attacks")
+    threat.add_argument(
+        "--preset", choices=tuple(PRESETS), default=None,
+        help="standard (norm, eps) of a dataset (default: the data's own, e.g. mnist-linf)",
+    )
+    threat.add_argument(
+        "--eps", type=_non_negative_float, default=None, help="radius (overrides the preset)"
+    )
+    threat.add_argument(
+        "--norm", choices=("linf", "l2"), default=None, help="norm (overrides the preset)"
+    )
+    threat.add_argument(
         "--bundle",
         choices=tuple(BUNDLES),
         default="default",
         help="named bundle of attacks (see jaxbundle.suites and `jaxbundle attacks`)",
     )
-    ev.add_argument(
+    threat.add_argument(
         "--attacks",
         type=_csv,
         default=None,
         help=f"comma-separated attacks instead of a bundle, from {','.join(ATTACKS)}",
     )
-    ev.add_argument(
+    threat.add_argument(
         "--steps", type=_positive_int, default=None, help="iterations of every iterative attack"
     )
-    ev.add_argument(
+    threat.add_argument(
         "--restarts", type=_positive_int, default=None, help="random restarts of PGD / APGD"
     )
-    ev.add_argument(
+    threat.add_argument(
         "--step-size", type=_positive_float, default=None, help="PGD step (default 2.5*eps/steps)"
     )
-    ev.add_argument(
+    threat.add_argument(
         "--judging",
         choices=("auto", "grid", "float"),
         default="auto",
         help="judge on the 8-bit grid where the clean image is on it, else in float32 (auto); "
         "require the grid (grid); or judge everything in float32 (float)",
     )
-    ev.add_argument("--seed", type=int, default=0)
-    ev.add_argument("--batch-size", type=_positive_int, default=250)
-    ev.add_argument("--out", default="jaxbundle-report", help="report directory")
-    ev.add_argument(
-        "--models", type=_csv, default=["standard", "adversarial"], help="demo models to evaluate"
+    threat.add_argument(
+        "--best-effort", action="store_true",
+        help="add RoBIC's best-effort distortions (bisection on eps) to the report",
     )
-    ev.add_argument("--cache-dir", default=None, help="trained-weights cache (default ~/.cache)")
-    ev.add_argument(
-        "--train-examples", type=_positive_int, default=None, help="override training set size"
+    threat.add_argument(
+        "--surrogate", action="append", default=[], metavar="[NAME=]MODULE:FUNCTION",
+        help="a model the attacker owns (or a demo model's name): adds transfer bundling from "
+        "it (repeatable)",
     )
-    ev.add_argument("--train-epochs", type=_positive_int, default=None, help="override epochs")
-    ev.add_argument("--no-progress", action="store_true", help="no progress bars")
-    ev.add_argument("--no-shifts", action="store_true", help="skip the natural shifts")
+    run = ev.add_argument_group("running")
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--batch-size", type=_positive_int, default=250)
+    run.add_argument("--out", default="jaxbundle-report", help="report directory")
+    run.add_argument(
+        "--checkpoint-dir", default=None,
+        help="checkpoint after every batch; the same command resumes where a killed run stopped",
+    )
+    run.add_argument(
+        "--save-images", action="store_true",
+        help="write the adversarial images to OUT/adversarial/<model>/, batch by batch",
+    )
+    run.add_argument(
+        "--cache-dir", default=None,
+        help="cache of trained demo weights and compiled programs (default $JAXBUNDLE_CACHE or "
+        "~/.cache/jaxbundle)",
+    )
+    run.add_argument(
+        "--no-compile-cache", action="store_true",
+        help="do not keep compiled programs on disk (CACHE_DIR/xla) between runs",
+    )
+    run.add_argument(
+        "--train-examples", type=_positive_int, default=None, help="demo models: training set size"
+    )
+    run.add_argument("--train-epochs", type=_positive_int, default=None, help="demo models: epochs")
+    run.add_argument("--no-progress", action="store_true", help="no progress bars")
+    run.add_argument("--no-shifts", action="store_true", help="skip the natural shifts")
     dist = ev.add_argument_group(
         "multi-process (jax.distributed)",
         "run the same command in every process; the batch is sharded over the devices of all "
-        "processes and process 0 prints and writes the report",
+        "processes, each process reads only its own rows, and process 0 prints and writes "
+        "the report",
     )
     dist.add_argument(
         "--distributed",
@@ -169,104 +229,43 @@ def _describe(attacks) -> str:
     )
 
 
-def _start_distributed(args: argparse.Namespace) -> None:
-    """``jax.distributed.initialize`` when any multi-process flag is given."""
-    import jax
-
-    flags = (args.coordinator, args.num_processes, args.process_id)
-    if not args.distributed and all(f is None for f in flags):
-        return
-    n, i = args.num_processes, args.process_id
-    if i is not None and not 0 <= i < (n or i + 1):
-        raise ValueError(f"--process-id must be in 0..{n - 1 if n else 'N-1'}, got {i}")
-    jax.distributed.initialize(
-        coordinator_address=args.coordinator,
-        num_processes=args.num_processes,
-        process_id=args.process_id,
-    )
-
-
 def _evaluate(args: argparse.Namespace, console: Console) -> None:
-    import jax
+    from jaxbundle import data, job, models, presets
 
-    from jaxbundle import data, models
-    from jaxbundle.evaluate import evaluate
-    from jaxbundle.report import print_tables, write_report
-    from jaxbundle.shifts import evaluate_shifts
-
-    unknown = [m for m in args.models if m not in models.MODELS]
-    if unknown:
-        raise ValueError(f"unknown model(s) {unknown}; choose from {sorted(models.MODELS)}")
-    attack_list = build_attacks(args)
-    dataset = data.load_mnist_sample("test", n=args.n)
-    _start_distributed(args)
-    lead = jax.process_index() == 0  # prints and writes; every process computes
-
-    progress = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        disable=args.no_progress or not lead,
+    job.start_distributed(args.distributed, args.coordinator, args.num_processes, args.process_id)
+    cache = args.cache_dir or str(models.default_cache_dir())
+    if not args.no_compile_cache:
+        job.enable_compilation_cache(os.path.join(cache, "xla"))
+    source = data.open_source(
+        args.data, data_dir=args.data_dir, download=args.download, image_size=args.image_size
     )
-    results = {}
-    with progress:
-        for name in args.models:
-            config = models.MODELS[name]
-            if args.train_examples is not None:
-                config = config._replace(n_train=args.train_examples)
-            if args.train_epochs is not None:
-                config = config._replace(epochs=args.train_epochs)
-            task = progress.add_task(f"{name}: train or load", total=None)
-            apply_fn, params = models.load_or_train(
-                config,
-                cache_dir=args.cache_dir,
-                progress=lambda done, total: progress.update(task, completed=done, total=total),
-            )
-            progress.update(task, description=f"{name}: attack")
-            start = time.perf_counter()
-            evaluation = evaluate(
-                apply_fn,
-                params,
-                dataset.x,
-                dataset.y,
-                attack_list,
-                eps=args.eps,
-                norm=args.norm,
-                seed=args.seed,
-                batch_size=args.batch_size,
-                judging=args.judging,
-                progress=lambda done, total: progress.update(task, completed=done, total=total),
-            )
-            jax.block_until_ready(evaluation.per_example)
-            if not args.no_shifts:
-                progress.update(task, description=f"{name}: natural shifts")
-                evaluation.metrics["shifts"] = evaluate_shifts(
-                    apply_fn, params, dataset.x, dataset.y, seed=args.seed
-                )
-            results[name] = (evaluation, time.perf_counter() - start)
-
-    if not lead:
-        return
-    print_tables(console, results)
+    n = args.n if args.n is not None else (1000 if args.data.startswith("mnist-sample") else None)
+    source = data.head(source, n)
+    norm, eps, preset = presets.resolve(source.name, args.preset, args.norm, args.eps)
+    args.norm, args.eps = norm, eps
+    demo = dict(cache_dir=args.cache_dir, train_examples=args.train_examples,
+                train_epochs=args.train_epochs)
+    demo_names = args.models if args.models is not None else ([] if args.model else
+                                                               ["standard", "adversarial"])
+    refs = [job.demo_model(m, **demo) for m in demo_names] + [job.user_model(s) for s in args.model]
+    surrogates = [
+        job.demo_model(s, **demo) if s in models.MODELS else job.user_model(s)
+        for s in args.surrogate
+    ]
+    attack_list = build_attacks(args)
     config = {
-        "dataset": dataset.name,
-        "n": args.n,
-        "eps": args.eps,
-        "norm": args.norm,
-        "bundle": None if args.attacks else args.bundle,
-        "attacks": [a.name for a in attack_list],
-        "steps": args.steps,
-        "restarts": args.restarts,
-        "step_size": args.step_size,
-        "seed": args.seed,
-        "judging": args.judging,
-        "batch_size": args.batch_size,
-        "models": args.models,
+        "threat_model": preset, "bundle": None if args.attacks else args.bundle,
+        "steps": args.steps, "restarts": args.restarts, "step_size": args.step_size,
     }
-    path = write_report(args.out, config, results, x_clean=dataset.x)
-    console.print(f"report written to {path} (and report.md, figures)")
+    path, _ = job.run_job(
+        refs, source, attack_list, out=args.out, eps=eps, norm=norm, seed=args.seed,
+        batch_size=args.batch_size, judging=args.judging, shifts=not args.no_shifts,
+        checkpoint_dir=args.checkpoint_dir, save_images=args.save_images,
+        best_effort=args.best_effort, surrogates=surrogates, config=config, console=console,
+        show_progress=not args.no_progress,
+    )
+    if path is not None:
+        console.print(f"report written to {path} (and report.md, figures)")
 
 
 def _compare(args: argparse.Namespace, console: Console) -> None:
@@ -290,8 +289,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _compare(args, console)
         else:
             _evaluate(args, console)
-    except (ValueError, FileNotFoundError) as err:
-        Console(stderr=True).print(f"[red]error:[/red] {err}", highlight=False)
+    except (ValueError, FileNotFoundError, ImportError) as err:
+        Console(stderr=True).print(f"[red]error:[/red] {err}", highlight=False, soft_wrap=True)
         return 2
     return 0
 

@@ -23,7 +23,6 @@ import functools
 import hashlib
 import json
 import os
-import tempfile
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -34,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxbundle import curves
 from jaxbundle import data as data_lib
+from jaxbundle import files as files_lib
 from jaxbundle import goals as goals_lib
 from jaxbundle import norms
 from jaxbundle.attacks.base import Attack
@@ -41,7 +41,16 @@ from jaxbundle import judge
 from jaxbundle.bundler import BundleResult, bundle, check_attacks, check_inputs, goals_for
 from jaxbundle.metrics import Counts, kind_success
 
-__all__ = ["Evaluation", "evaluate", "per_example_arrays", "curve_metrics", "default_mesh"]
+__all__ = [
+    "Evaluation",
+    "curve_metrics",
+    "default_mesh",
+    "describe",
+    "evaluate",
+    "evaluate_source",
+    "load_images",
+    "per_example_arrays",
+]
 
 
 class Evaluation(NamedTuple):
@@ -50,6 +59,8 @@ class Evaluation(NamedTuple):
     metrics: dict  # figures: see jaxbundle.metrics.Counts.compute, plus eps/norm/seed
     per_example: dict[str, np.ndarray]  # arrays of length n_examples (see per_example_arrays)
     attack_names: tuple[str, ...]
+    # The first fooled examples: ``example_id``, ``x_clean`` and ``x_adv`` (the report's figure).
+    gallery: dict[str, np.ndarray] | None = None
 
 
 def per_example_arrays(
@@ -169,24 +180,140 @@ def _evaluate_batch(
     )
     black_box = tuple(a.black_box for a in attacks)
     eps_b = jnp.full(y.shape, eps, jnp.float32)
-    out = (Counts.from_result(result, mask, eps_b, black_box),
-           per_example_arrays(result, x, eps_b, black_box))
+    outputs = dict(per_example_arrays(result, x, eps_b, black_box), label=y, example_id=example_id)
+    out = (Counts.from_result(result, mask, eps_b, black_box), outputs)
     if mesh is not None:
         out = jax.lax.with_sharding_constraint(out, NamedSharding(mesh, PartitionSpec()))
     return out
 
 
-def _fingerprint(**config: Any) -> str:
-    text = json.dumps({k: repr(v) for k, v in sorted(config.items())})
+def describe(value: Any) -> Any:
+    """A JSON-able description of an attack (or any value) that is the same in every process:
+    no object addresses. Named tuples by field, functions by module and qualified name."""
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, functools.partial):
+            return {"partial": plain(value.func), "args": plain(value.args),
+                    "keywords": plain(value.keywords)}
+        if callable(value) and not hasattr(value, "_asdict"):
+            owner = value if hasattr(value, "__qualname__") else type(value)
+            return f"{owner.__module__}.{owner.__qualname__}"
+        if hasattr(value, "_asdict"):
+            return {type(value).__name__: {k: plain(v) for k, v in value._asdict().items()}}
+        if isinstance(value, (tuple, list)):
+            return [plain(v) for v in value]
+        if isinstance(value, dict):
+            return {str(k): plain(v) for k, v in sorted(value.items())}
+        if isinstance(value, (str, int, float, bool, type(None))):
+            return value
+        return repr(value)
+
+    return plain(value)
+
+
+def params_digest(params: Any) -> str:
+    """SHA-256 of a parameter tree's structure, shapes, dtypes and values."""
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    h = hashlib.sha256(str(treedef).encode())
+    for leaf in leaves:
+        a = np.asarray(leaf)
+        h.update(f"{a.dtype}{a.shape}".encode())
+        h.update(np.ascontiguousarray(a).tobytes())
+    return h.hexdigest()
+
+
+def fingerprint(**config: Any) -> str:
+    """A short hash of a JSON-able description (stable across processes and machines)."""
+    text = json.dumps(config, sort_keys=True, default=repr)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _save_checkpoint(path: str, state: dict[str, np.ndarray]) -> None:
-    directory = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
-    with os.fdopen(fd, "wb") as f:
-        np.savez(f, **state)
-    os.replace(tmp, path)
+def _stored_on_grid(source: data_lib.Source, judging: str) -> bool:
+    """Whether every clean image is on the 8-bit grid and judged there (then x_adv is uint8)."""
+    if judging == "float":
+        return False
+    if np.dtype(source.dtype) == np.uint8:
+        return True
+    if isinstance(source, data_lib.ArraySource):
+        return bool(np.all(norms.on_grid(np.asarray(source.x, np.float32))))
+    return False
+
+
+def _local_rows_match(sharding: NamedSharding, batch_size: int, shape: tuple[int, ...]) -> None:
+    """The rows of a global batch this process's devices hold must be its ``p``-th slice."""
+    p, count = jax.process_index(), jax.process_count()
+    rows = sorted(
+        r
+        for index in sharding.addressable_devices_indices_map((batch_size, *shape)).values()
+        for r in range(*index[0].indices(batch_size))
+    )
+    per = batch_size // count
+    if sorted(set(rows)) != list(range(p * per, (p + 1) * per)):
+        raise ValueError(
+            "the mesh must list each process's devices together and in process order (as "
+            "jax.devices() does), so that each process feeds a contiguous slice of the batch"
+        )
+
+
+def _save_images(directory: str, index: int, x_adv: np.ndarray, ids: np.ndarray) -> None:
+    files_lib.save_npz(
+        os.path.join(directory, f"adversarial-{index:06d}.npz"), x_adv=x_adv, example_id=ids
+    )
+
+
+def load_images(directory: str) -> tuple[np.ndarray, np.ndarray]:
+    """All adversarial images written to ``directory`` by :func:`evaluate_source`, in example
+    order: ``(x_adv, example_id)`` (for small runs; large ones read the batch files one by one).
+    """
+    names = sorted(f for f in os.listdir(directory) if f.startswith("adversarial-"))
+    if not names:
+        raise FileNotFoundError(f"no adversarial-*.npz files in {directory}")
+    parts = [np.load(os.path.join(directory, f)) for f in names]
+    return (np.concatenate([p["x_adv"] for p in parts]),
+            np.concatenate([p["example_id"] for p in parts]))
+
+
+class _State(NamedTuple):
+    """What a checkpoint holds after ``batches_done`` batches: the summed counts, the
+    per-example chunks and the gallery (ids and adversarial images of the first fooled
+    examples, for the report's example figure)."""
+
+    batches_done: int
+    counts: Counts
+    chunks: dict[str, list[np.ndarray]]
+    gallery: tuple[np.ndarray, np.ndarray]
+
+
+def _fooled(outputs: dict[str, np.ndarray]) -> np.ndarray:
+    """Indices of correctly classified examples that an attack fooled."""
+    ok = outputs["clean_prediction"] == outputs["label"]
+    return np.flatnonzero(ok & outputs["success"])
+
+
+def _load_checkpoint(path: str, fingerprint_: str, empty: _State) -> _State:
+    if not os.path.exists(path):
+        return empty
+    with np.load(path) as saved:
+        if str(saved["fingerprint"]) != fingerprint_:
+            raise ValueError(
+                f"{path} belongs to a different evaluation (other model, data, attacks or "
+                "settings); use another checkpoint directory or delete it"
+            )
+        return _State(
+            int(saved["batches_done"]),
+            Counts(*(saved[f"counts_{f}"] for f in Counts._fields)),
+            {k[4:]: [saved[k]] for k in saved.files if k.startswith("out_")},
+            (saved["gallery_id"], saved["gallery_x_adv"]),
+        )
+
+
+def _save_checkpoint(path: str, fingerprint_: str, state: _State) -> None:
+    arrays = {f"counts_{f}": v for f, v in zip(Counts._fields, state.counts)}
+    arrays.update({f"out_{k}": np.concatenate(v) for k, v in state.chunks.items()})
+    files_lib.save_npz(
+        path, batches_done=state.batches_done, fingerprint=fingerprint_,
+        gallery_id=state.gallery[0], gallery_x_adv=state.gallery[1], **arrays
+    )
 
 
 def evaluate(
@@ -194,6 +321,29 @@ def evaluate(
     params: Any,
     x: np.ndarray,
     y: np.ndarray,
+    attacks: Sequence[Attack],
+    **options: Any,
+) -> Evaluation:
+    """Evaluates a model under a bundle of attacks on images held in memory.
+
+    ``x`` are images ``[N, ...]`` float in [0, 1] (numpy) and ``y`` integer labels ``[N]``;
+    they are checked whole first. The options are those of :func:`evaluate_source`;
+    ``per_example["x_adv"]`` holds the adversarial images unless ``keep_images=False``.
+    """
+    options.setdefault("keep_images", True)
+    x = np.asarray(x)
+    y = np.asarray(y)
+    if x.ndim == 0 or int(x.shape[0]) == 0:
+        raise ValueError("the dataset is empty")
+    check_inputs(apply_fn, params, x, y, options.get("eps", 0.0),
+                 judging=options.get("judging", "auto"))
+    return evaluate_source(apply_fn, params, data_lib.ArraySource(x, y), attacks, **options)
+
+
+def evaluate_source(
+    apply_fn: Callable[[Any, jax.Array], jax.Array],
+    params: Any,
+    source: data_lib.Source,
     attacks: Sequence[Attack],
     *,
     eps: float,
@@ -206,15 +356,20 @@ def evaluate(
     restart_mode: str = "vmap",
     mesh: Mesh | None | str = "auto",
     checkpoint_dir: str | None = None,
+    images_dir: str | None = None,
+    keep_images: bool = False,
+    gallery: int = 8,
     progress: Callable[[int, int], None] | None = None,
 ) -> Evaluation:
-    """Evaluates a model under a bundle of attacks on a whole dataset.
+    """Evaluates a model under a bundle of attacks on a dataset read batch by batch.
+
+    Host memory holds a batch at a time plus the small per-example arrays (a few numbers per
+    example and attack); the adversarial images go to ``images_dir`` as they are made.
 
     Args:
       apply_fn: ``apply_fn(params, x) -> logits``.
       params: model parameters.
-      x: images ``[N, ...]`` float in [0, 1] (numpy).
-      y: integer labels ``[N]``.
+      source: a :class:`jaxbundle.data.Source` (images uint8, or floats in [0, 1]).
       attacks: the bundle (see :mod:`jaxbundle.attacks`).
       eps: the threat model's radius.
       norm: the threat model's norm.
@@ -226,14 +381,18 @@ def evaluate(
       unroll, restart_mode: see :func:`jaxbundle.bundler.bundle`.
       mesh: ``"auto"`` (every device, of every process under ``jax.distributed``), ``None`` (no
         sharding) or a 1-D ``Mesh`` whose axis is named ``"batch"``; ``batch_size`` must divide
-        evenly over it.
-      checkpoint_dir: if set, save after every batch and resume from there on a rerun (written
-        by process 0 only; every process reads it).
+        evenly over it. Each process reads only the rows its own devices take.
+      checkpoint_dir: if set, save after every batch and resume from there on a rerun, in a new
+        process too (written by process 0 only; every process reads it).
+      images_dir: if set, the judged adversarial images of batch ``b`` are written to
+        ``images_dir/adversarial-{b:06d}.npz`` (``x_adv``, ``example_id``; by process 0).
+      keep_images: also return them all in ``per_example["x_adv"]`` (in memory).
+      gallery: how many fooled examples :attr:`Evaluation.gallery` shows (the first ones).
       progress: called as ``progress(batches_done, batches_total)``.
 
     Returns:
-      An :class:`Evaluation`. ``per_example["x_adv"]`` is uint8 when every example was judged
-      on the 8-bit grid, else float32 (the judged images exactly).
+      An :class:`Evaluation`. Adversarial images are uint8 when every clean image is stored on
+      the 8-bit grid and judged there, else float32 (the judged images exactly).
     """
     norms.check_norm(norm)
     attacks = check_attacks(attacks, norm)
@@ -241,89 +400,103 @@ def evaluate(
     judge.check_judging(judging)
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
-    x = np.asarray(x)
-    y = np.asarray(y)
-    n = int(x.shape[0]) if x.ndim else 0
+    n = len(source)
     if n == 0:
-        raise ValueError("the dataset is empty")
-    check_inputs(apply_fn, params, x, y, eps, judging=judging)
+        raise ValueError(f"the dataset {source.name} is empty")
+    eps_value = float(eps)
+    if not np.isfinite(eps_value) or eps_value < 0:
+        raise ValueError(f"eps must be finite and >= 0, got {eps}")
     if mesh == "auto":
         mesh = default_mesh()
     if mesh is None:
         batch_size = min(batch_size, n)
+    fingerprint_ = fingerprint(
+        attacks=[describe(a) for a in attacks], eps=eps_value, norm=norm,
+        goals=list(goal_names), seed=seed, batch_size=batch_size, judging=judging,
+        data=source.describe(), n=n, model=params_digest(params), images=keep_images,
+        apply_fn=describe(apply_fn),
+    )
     sharding = None
     if mesh is not None:
         devices = mesh.devices.size
         if batch_size % devices:
             raise ValueError(f"batch_size {batch_size} must be a multiple of {devices} devices")
         sharding = NamedSharding(mesh, PartitionSpec("batch"))
+        _local_rows_match(sharding, batch_size, source.shape)
         params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
 
     total = data_lib.num_batches(n, batch_size)
     key = jax.random.key(seed)
     names = tuple(a.name for a in attacks)
     black_box = tuple(a.black_box for a in attacks)
-    eps_value = float(eps)
-    all_on_grid = judging != "float" and bool(np.all(norms.on_grid(np.asarray(x, np.float32))))
+    uint8_images = _stored_on_grid(source, judging)
+    lead = jax.process_index() == 0
     # Host-side state only (numpy): counts are summed here, never by eager ops on global arrays.
-    counts = jax.tree.map(np.asarray, Counts.empty(len(attacks)))
-    chunks: dict[str, list[np.ndarray]] = {}
-    start = 0
+    state = _State(
+        0, jax.tree.map(np.asarray, Counts.empty(len(attacks))), {},
+        (np.zeros(0, np.int32), np.zeros((0, *source.shape), np.uint8 if uint8_images else np.float32)),
+    )
     ckpt_path = None
+    for directory in (checkpoint_dir, images_dir):
+        if directory is not None:
+            os.makedirs(directory, exist_ok=True)
     if checkpoint_dir is not None:
-        os.makedirs(checkpoint_dir, exist_ok=True)
         ckpt_path = os.path.join(checkpoint_dir, "checkpoint.npz")
-        fingerprint = _fingerprint(
-            attacks=attacks, eps=eps, norm=norm, goals=goal_names, seed=seed, n=n,
-            batch_size=batch_size, judging=judging,
-            data=hashlib.sha256(x.tobytes() + y.tobytes()).hexdigest(),
-        )
-        if os.path.exists(ckpt_path):
-            with np.load(ckpt_path) as saved:
-                if str(saved["fingerprint"]) != fingerprint:
-                    raise ValueError(
-                        f"{ckpt_path} belongs to a different evaluation (other data, attacks or "
-                        "settings); use another checkpoint_dir or delete it"
-                    )
-                start = int(saved["batches_done"])
-                counts = Counts(*(saved[f"counts_{f}"] for f in Counts._fields))
-                chunks = {k[4:]: [saved[k]] for k in saved.files if k.startswith("out_")}
+        state = _load_checkpoint(ckpt_path, fingerprint_, state)
         if jax.process_count() > 1:
             multihost_utils.assert_equal(
-                start, f"processes resume from different batches: {ckpt_path} must be on a "
-                "file system that every process shares"
+                state.batches_done, f"processes resume from different batches: {ckpt_path} "
+                "must be on a file system that every process shares"
             )
 
-    for index, batch in enumerate(data_lib.batches(x, y, batch_size, start=start), start=start):
-        arrays = (batch.x.astype(np.float32), batch.y.astype(np.int32), batch.example_id, batch.mask)
+    checked_classes = False
+    process = (jax.process_index(), jax.process_count()) if mesh is not None else (0, 1)
+    for index in range(state.batches_done, total):
+        batch = data_lib.local_batch(source, index, batch_size, *process)
+        bx = data_lib.to_unit_float(batch.x)
+        classes = check_inputs(apply_fn, params, bx, batch.y, eps_value, judging=judging)
+        if not checked_classes and source.num_classes not in (None, classes):
+            raise ValueError(
+                f"the model has {classes} outputs but the data {source.name} has "
+                f"{source.num_classes} classes"
+            )
+        checked_classes = True
+        arrays = (bx, batch.y.astype(np.int32), batch.example_id, batch.mask)
         if sharding is not None:
-            arrays = tuple(jax.device_put(a, sharding) for a in arrays)
-        bx, by, bid, bmask = arrays
+            arrays = tuple(
+                jax.make_array_from_process_local_data(sharding, a, (batch_size, *a.shape[1:]))
+                for a in arrays
+            )
         batch_counts, outputs = _evaluate_batch(
-            params, bx, by, key, bid, bmask, jnp.float32(eps_value), apply_fn=apply_fn,
+            params, *arrays[:2], key, *arrays[2:], jnp.float32(eps_value), apply_fn=apply_fn,
             attacks=attacks, goal_names=goal_names, norm=norm, judging=judging, unroll=unroll,
             restart_mode=restart_mode, mesh=mesh,
         )
         # Every output is replicated: each process reads its own full copy.
-        counts = counts.merge(jax.tree.map(np.asarray, batch_counts))
-        real = np.asarray(batch.mask)
-        for k, v in outputs.items():
-            v = np.asarray(v)[real]
-            if k == "x_adv" and all_on_grid:
-                v = np.round(v * norms.PIXEL_LEVELS).astype(np.uint8)
-            chunks.setdefault(k, []).append(v)
-        if ckpt_path is not None and jax.process_index() == 0:
-            state = {f"counts_{f}": v for f, v in zip(Counts._fields, counts)}
-            state.update({f"out_{k}": np.concatenate(v) for k, v in chunks.items()})
-            _save_checkpoint(
-                ckpt_path, dict(state, batches_done=index + 1, fingerprint=fingerprint)
-            )
+        counts = state.counts.merge(jax.tree.map(np.asarray, batch_counts))
+        real = np.arange(index * batch_size, (index + 1) * batch_size) < n
+        outputs = {k: np.asarray(v)[real] for k, v in outputs.items()}
+        x_adv = outputs.pop("x_adv")
+        if uint8_images:
+            x_adv = np.round(x_adv * norms.PIXEL_LEVELS).astype(np.uint8)
+        if images_dir is not None and lead:
+            _save_images(images_dir, index, x_adv, outputs["example_id"])
+        if keep_images:
+            outputs["x_adv"] = x_adv
+        chunks = {k: state.chunks.get(k, []) + [v] for k, v in outputs.items()}
+        shown = _fooled(outputs)[: gallery - len(state.gallery[0])]
+        state = _State(index + 1, counts, chunks, (
+            np.concatenate([state.gallery[0], outputs["example_id"][shown]]),
+            np.concatenate([state.gallery[1], x_adv[shown]]) if shown.size else state.gallery[1],
+        ))
+        if ckpt_path is not None and lead:
+            _save_checkpoint(ckpt_path, fingerprint_, state)
         if progress is not None:
             progress(index + 1, total)
 
-    per_example = {k: np.concatenate(v) for k, v in chunks.items()}
-    per_example["label"] = y
-    metrics = counts.compute(names, black_box)
+    per_example = {k: np.concatenate(v) for k, v in state.chunks.items()}
+    per_example.pop("example_id")
+    metrics = state.counts.compute(names, black_box)
     metrics.update(eps=eps_value, norm=norm, seed=seed, goals=list(goal_names))
     on_grid = metrics.pop("grid_judged")
     metrics["judging"] = {
@@ -333,5 +506,12 @@ def evaluate(
         "grid_radius": norms.grid_radius(eps_value, norm),
         "statement": judge.statement(judging, eps_value, norm, on_grid, n),
     }
+    metrics["data"] = {"name": source.name, "n": n}
     metrics.update(curve_metrics(per_example, attacks, norm))
-    return Evaluation(metrics=metrics, per_example=per_example, attack_names=names)
+    ids, x_adv = state.gallery
+    clean = [data_lib.to_unit_float(source.read(int(i), int(i) + 1)[0]) for i in ids]
+    shown = {
+        "example_id": ids, "x_adv": x_adv,
+        "x_clean": np.concatenate(clean) if clean else np.zeros((0, *source.shape), np.float32),
+    }
+    return Evaluation(metrics=metrics, per_example=per_example, attack_names=names, gallery=shown)

@@ -123,7 +123,7 @@ def write_report(
             **evaluation.per_example,
         )
         figures = plots.write_all(
-            evaluation.metrics, evaluation.per_example, x_clean, out_dir, prefix=name
+            evaluation.metrics, *_grid_inputs(evaluation, x_clean), out_dir, prefix=name
         )
         models[name] = dict(
             evaluation.metrics, per_example=npz, figures=figures, seconds=round(seconds, 2)
@@ -140,6 +140,18 @@ def write_report(
     with open(os.path.join(out_dir, "report.md"), "w") as f:
         f.write(markdown(report))
     return path
+
+
+def _grid_inputs(evaluation: Evaluation, x_clean: np.ndarray | None) -> tuple[dict, Any]:
+    """The per-example arrays and clean images the example figure shows: the evaluation's
+    gallery when it has one, else every example (with ``x_clean``)."""
+    shown = evaluation.gallery
+    if shown is None or not len(shown["example_id"]):
+        return evaluation.per_example, x_clean
+    ids = shown["example_id"]
+    keys = ("label", "clean_prediction", "adversarial_prediction", "distortion", "success")
+    per_example = {k: evaluation.per_example[k][ids] for k in keys}
+    return dict(per_example, x_adv=shown["x_adv"]), shown["x_clean"]
 
 
 def _fmt(v: Any, digits: int = 2) -> str:

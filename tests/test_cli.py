@@ -48,10 +48,10 @@ def test_bad_flags_exit_2_with_a_message(argv, message, capsys):
     [
         (["evaluate", "--attacks", "fgsm,cw"], "unknown attack 'cw'"),
         (["evaluate", "--attacks", "cw-l2"], "works in norm 'l2', not 'linf'"),
-        (["evaluate", "--models", "resnet"], "unknown model"),
+        (["evaluate", "--models", "resnet"], "unknown demo model 'resnet'"),
         (["evaluate", "--n", "5000"], "2000"),
-        (["evaluate", "--num-processes", "2", "--process-id", "2"], "--process-id must be in 0..1"),
-        (["evaluate", "--process-id", "-1"], "--process-id must be in 0..N-1"),
+        (["evaluate", "--num-processes", "2", "--process-id", "2"], "process id must be in 0..1"),
+        (["evaluate", "--process-id", "-1"], "process id must be in 0..N-1"),
     ],
 )
 def test_bad_values_exit_2_with_a_message(argv, message, capsys, tmp_path):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import types
 
 import numpy as np
 import pytest
@@ -274,67 +273,177 @@ def test_validate_empty():
         validate_images(np.zeros((0, 2, 2, 1), np.float32), np.zeros((0,), np.int32), 3)
 
 
-# --- load_tfds ------------------------------------------------------------
+# --- sources ---------------------------------------------------------------
 
 
-def test_load_tfds_missing_package(monkeypatch):
+def test_sample_source_streams_the_same_images_as_the_in_memory_sample():
+    source = data.open_source("mnist-sample")
+    assert len(source) == 2000 and source.dtype == np.uint8 and source.shape == (28, 28, 1)
+    assert source.num_classes == 10 and source.describe() == data.open_source("mnist-sample").describe()
+    x, y = source.read(10, 20)
+    ds = load_mnist_sample("test", n=20)
+    np.testing.assert_array_equal(data.to_unit_float(x), ds.x[10:20])
+    np.testing.assert_array_equal(y, ds.y[10:20])
+    assert len(data.open_source("mnist-sample:train")) == 10000
+
+
+@pytest.mark.parametrize("n,batch_size,processes", [(10, 4, 1), (10, 4, 2), (7, 8, 4), (8, 8, 2)])
+def test_local_batches_of_all_processes_make_the_single_process_batch(n, batch_size, processes):
+    rng = np.random.default_rng(n)
+    source = data.ArraySource(rng.integers(0, 256, (n, 3, 3, 1), dtype=np.uint8), np.arange(n))
+    whole = list(batches(source.x, source.y, batch_size))
+    for index, expected in enumerate(whole):
+        parts = [data.local_batch(source, index, batch_size, p, processes) for p in range(processes)]
+        for field in Batch._fields:
+            np.testing.assert_array_equal(
+                np.concatenate([getattr(b, field) for b in parts]), getattr(expected, field)
+            )
+
+
+def test_local_batch_reads_only_its_own_rows():
+    reads = []
+
+    class Counting(data.ArraySource):
+        def read(self, start, stop):
+            reads.append((start, stop))
+            return super().read(start, stop)
+
+    source = Counting(np.zeros((100, 2, 2, 1), np.uint8), np.zeros(100, np.int32))
+    data.local_batch(source, 1, 40, 1, 4)
+    assert reads == [(50, 60)]
+    data.local_batch(source, 2, 40, 3, 4)  # rows 110..119: all padding, one row read
+    assert reads[-1] == (99, 100)
+
+
+def test_head_and_bad_specs():
+    source = data.head(data.open_source("mnist-sample"), 5)
+    assert len(source) == 5 and source.read(0, 10)[0].shape[0] == 5
+    assert source.describe()["n"] == 5
+    with pytest.raises(ValueError, match="2000 examples available"):
+        data.head(data.open_source("mnist-sample"), 2001)
+    for spec in ("mnist", "npz:", "tfds:", "csv:/x"):
+        with pytest.raises(ValueError, match="npz:PATH"):
+            data.open_source(spec)
+    with pytest.raises(ValueError, match="split"):
+        data.open_source("mnist-sample:validation")
+
+
+@pytest.mark.parametrize("compressed", [False, True])
+@pytest.mark.parametrize("dtype", [np.uint8, np.float32])
+def test_npz_source(tmp_path, compressed, dtype):
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 256, (12, 5, 5, 3)).astype(dtype)
+    if dtype == np.float32:
+        x = x / 255
+    y = rng.integers(0, 10, 12)
+    path = tmp_path / "d.npz"
+    (np.savez_compressed if compressed else np.savez)(path, x=x, y=y)
+    source = data.open_source(f"npz:{path}")
+    assert isinstance(source.x, np.memmap) != compressed  # uncompressed files are mapped
+    assert len(source) == 12 and source.shape == (5, 5, 3) and source.dtype == x.dtype
+    xs, ys = source.read(3, 9)
+    np.testing.assert_array_equal(xs, x[3:9])
+    np.testing.assert_array_equal(ys, y[3:9])
+    assert source.describe()["path"] == str(path)
+
+
+def test_npz_grayscale_without_channel_axis(tmp_path):
+    np.savez(tmp_path / "g.npz", x=np.zeros((4, 6, 6), np.uint8), y=np.zeros(4, np.int64))
+    assert data.open_source(f"npz:{tmp_path / 'g.npz'}").shape == (6, 6, 1)
+
+
+def test_npz_errors_name_the_problem(tmp_path):
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        data.open_source(f"npz:{tmp_path / 'missing.npz'}")
+    (tmp_path / "junk.npz").write_bytes(b"not a zip")
+    with pytest.raises(ValueError, match="not a readable .npz"):
+        data.open_source(f"npz:{tmp_path / 'junk.npz'}")
+    cases = {
+        "keys": (dict(images=np.zeros((2, 3, 3, 1)), y=np.zeros(2, int)), "'x' .images"),
+        "shape": (dict(x=np.zeros((2, 3)), y=np.zeros(2, int)), "x must be"),
+        "dtype": (dict(x=np.zeros((2, 3, 3, 1), np.int32), y=np.zeros(2, int)), "uint8 or floats"),
+        "labels": (dict(x=np.zeros((2, 3, 3, 1)), y=np.zeros(3, int)), "y must be"),
+    }
+    for name, (arrays, message) in cases.items():
+        np.savez(tmp_path / f"{name}.npz", **arrays)
+        with pytest.raises(ValueError, match=message):
+            data.open_source(f"npz:{tmp_path / name}.npz")
+
+
+# --- tfds (real tensorflow-datasets, array_record, no TensorFlow) -----------
+
+
+@pytest.fixture(scope="module")
+def tfds_dir(tmp_path_factory):
+    pytest.importorskip("tensorflow_datasets")
+    import tfds_datasets
+
+    directory = str(tmp_path_factory.mktemp("tfds"))
+    tfds_datasets.prepare(directory)
+    return directory
+
+
+def test_tfds_source_reads_the_prepared_dataset_without_tensorflow(tfds_dir):
+    source = data.open_source("tfds:tiny_digits:test", data_dir=tfds_dir)
+    assert len(source) == 96 and source.shape == (28, 28, 1) and source.dtype == np.uint8
+    assert source.num_classes == 10 and source.name == "tfds:tiny_digits/test"
+    x, y = source.read(0, 96)
+    # The builder shuffles the order; the multiset of (image, label) pairs is the sample's.
+    sample = load_mnist_sample("test", n=96)
+    ours = sorted((int(l), (im.astype(np.float32) / 255).tobytes()) for im, l in zip(x, y))
+    theirs = sorted((int(l), im.tobytes()) for im, l in zip(sample.x, sample.y))
+    assert ours == theirs
+    np.testing.assert_array_equal(source.read(5, 9)[0], x[5:9])
+    assert "tensorflow" not in sys.modules
+    colour = data.open_source("tfds:tiny_colour", data_dir=tfds_dir)
+    assert colour.shape == (32, 32, 3) and len(colour) == 96
+
+
+def test_tfds_errors(tfds_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match="not prepared.*--download"):
+        data.open_source("tfds:tiny_digits", data_dir=str(tmp_path))
+    with pytest.raises(FileNotFoundError, match="no_such_dataset"):
+        data.open_source("tfds:no_such_dataset", data_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="no split 'validation'"):
+        data.open_source("tfds:tiny_digits:validation", data_dir=tfds_dir)
+
+
+def test_tfds_download_prepares_in_array_record(tmp_path):
+    pytest.importorskip("tensorflow_datasets")
+    import tfds_datasets  # noqa: F401  (registers the builders)
+
+    source = data.open_source("tfds:tiny_digits:train", data_dir=str(tmp_path), download=True)
+    assert len(source) == 64
+    assert any(p.name.endswith("array_record-00000-of-00001") for p in tmp_path.rglob("*"))
+
+
+def test_tfds_resize_and_centre_crop(tfds_dir):
+    source = data.open_source("tfds:tiny_colour", data_dir=tfds_dir, image_size=24)
+    x, _ = source.read(0, 4)
+    assert x.shape == (4, 24, 24, 3) and x.dtype == np.uint8 and source.shape == (24, 24, 3)
+    from jaxbundle.data.tfds import center_crop
+
+    image = np.arange(40 * 60 * 3, dtype=np.uint8).reshape(40, 60, 3)
+    assert center_crop(image, 35).shape == (35, 35, 3)  # shorter side 40 -> 40, centre kept
+
+
+def test_load_tfds_in_memory(tfds_dir):
+    ds = load_tfds("tiny_digits", n=10, data_dir=tfds_dir)
+    assert ds.x.shape == (10, 28, 28, 1) and ds.x.dtype == np.float32 and ds.num_classes == 10
+    with pytest.raises(ValueError, match="positive"):
+        load_tfds("tiny_digits", n=0, data_dir=tfds_dir)
+
+
+def test_tfds_missing_package(monkeypatch):
     # A None entry in sys.modules makes `import tensorflow_datasets` fail.
     monkeypatch.setitem(sys.modules, "tensorflow_datasets", None)
     with pytest.raises(ImportError, match=r"jaxbundle\[tfds\]"):
-        load_tfds("mnist")
-
-
-def _fake_tfds(load):
-    module = types.ModuleType("tensorflow_datasets")
-    module.load = load
-    module.as_numpy = lambda tree: tree
-    return module
-
-
-def test_load_tfds_with_fake_module(monkeypatch):
-    calls = {}
-    rng = np.random.default_rng(0)
-    x = rng.integers(0, 256, size=(5, 32, 32, 3), dtype=np.uint8)
-    y = np.array([3, 1, 4, 1, 5], np.int64)
-    info = types.SimpleNamespace(features={"label": types.SimpleNamespace(num_classes=10)})
-
-    def load(name, **kwargs):
-        calls.update(kwargs, name=name)
-        return (x, y), info
-
-    monkeypatch.setitem(sys.modules, "tensorflow_datasets", _fake_tfds(load))
-    ds = load_tfds("cifar10", split="test", n=5, data_dir="/tmp/d")
-    assert calls["name"] == "cifar10" and calls["split"] == "test[:5]"
-    assert calls["download"] is False and calls["data_dir"] == "/tmp/d"
-    assert calls["as_supervised"] is True and calls["batch_size"] == -1
-    assert ds.x.dtype == np.float32 and ds.x.shape == (5, 32, 32, 3)
-    np.testing.assert_allclose(ds.x, x / 255.0, rtol=1e-6)
-    assert ds.y.dtype == np.int32 and ds.y.tolist() == [3, 1, 4, 1, 5]
-    assert ds.num_classes == 10 and ds.name == "cifar10/test"
-    with pytest.raises(ValueError, match="5 examples available"):
-        load_tfds("cifar10", n=6)
-
-
-def test_load_tfds_not_downloaded(monkeypatch):
-    def load(name, **kwargs):
-        raise AssertionError(f"Dataset {name}: could not find data")
-
-    monkeypatch.setitem(sys.modules, "tensorflow_datasets", _fake_tfds(load))
-    with pytest.raises(FileNotFoundError, match="download=True"):
-        load_tfds("mnist", data_dir="/nowhere")
-
-
-def test_load_tfds_bad_n_checked_before_loading(monkeypatch):
-    monkeypatch.setitem(sys.modules, "tensorflow_datasets", _fake_tfds(None))
-    with pytest.raises(ValueError, match="positive"):
-        load_tfds("mnist", n=0)
+        data.open_source("tfds:mnist")
 
 
 def test_public_api():
-    assert sorted(data.__all__) == sorted(
-        ["Batch", "Dataset", "batches", "load_mnist_sample", "load_tfds",
-         "num_batches", "translate", "validate_images"]
-    )
+    assert {"Source", "ArraySource", "open_source", "local_batch", "head", "batches",
+            "load_mnist_sample", "load_tfds", "translate", "validate_images"} <= set(data.__all__)
 
 
 def test_translate_moves_images_off_the_grid_by_sub_pixel_offsets():

@@ -50,7 +50,7 @@ def _count_train_calls(monkeypatch) -> list[models.TrainConfig]:
         calls.append(config)
         return real_train(config, dataset, progress=progress)
 
-    monkeypatch.setattr(models, "train", counting_train)
+    monkeypatch.setattr(models.cache, "train", counting_train)  # what load_or_train calls
     return calls
 
 
@@ -245,7 +245,7 @@ def test_cache_keys(tmp_path, train_set):
 
 def test_code_version_is_part_of_key(monkeypatch, tmp_path):
     before = models.cache_path(TINY, tmp_path)
-    monkeypatch.setattr(models, "CODE_VERSION", models.CODE_VERSION + 1)
+    monkeypatch.setattr(models.cache, "CODE_VERSION", models.CODE_VERSION + 1)
     assert models.cache_path(TINY, tmp_path) != before
 
 

@@ -1,0 +1,69 @@
+"""Models: the demo classifiers, their training and weight cache, and loading a user's model.
+
+* :mod:`~jaxbundle.models.layers`: :class:`Conv`, a 'SAME' convolution fast to differentiate on CPU.
+* :mod:`~jaxbundle.models.architectures`: :class:`SmallCNN`, :class:`MLP`, :func:`model_for`.
+* :mod:`~jaxbundle.models.training`: :class:`TrainConfig`, :func:`train` (standard or PGD
+  adversarial), :func:`pgd_linf`, :func:`accuracy`.
+* :mod:`~jaxbundle.models.cache`: :func:`load_or_train` and the demo models :data:`MODELS`.
+* :mod:`~jaxbundle.models.loading`: a user's model from ``MODULE:FUNCTION`` (:func:`load_model`)
+  and a sanity check of its logits (:func:`check_model`).
+
+Evaluation code only needs ``apply_fn(params, x) -> logits``::
+
+    from jaxbundle import models
+
+    apply_fn, params = models.load_or_train(models.ADVERSARIAL)
+    logits = apply_fn(params, x)  # x: float32 [B, 28, 28, 1] in [0, 1]
+"""
+
+from jaxbundle.models.architectures import ARCHITECTURES, MLP, SmallCNN, model_for, model_name
+from jaxbundle.models.cache import (
+    CODE_VERSION,
+    MODELS,
+    cache_path,
+    config_hash,
+    default_cache_dir,
+    load_or_train,
+)
+from jaxbundle.models.layers import Conv, conv_same
+from jaxbundle.models.loading import LoadedModel, ModelSpec, check_model, load_model, parse_spec
+from jaxbundle.models.training import (
+    ADVERSARIAL,
+    STANDARD,
+    TrainConfig,
+    accuracy,
+    pgd_linf,
+    train,
+)
+
+# Not public, but used as models.<name> (types; tests and benchmarks).
+from jaxbundle.models.architectures import ApplyFn, Params  # noqa: F401
+from jaxbundle.models.cache import _atomic_write  # noqa: F401
+from jaxbundle.models.layers import _conv_forward  # noqa: F401
+
+__all__ = [
+    "CODE_VERSION",
+    "Conv",
+    "conv_same",
+    "SmallCNN",
+    "MLP",
+    "ARCHITECTURES",
+    "TrainConfig",
+    "STANDARD",
+    "ADVERSARIAL",
+    "MODELS",
+    "model_for",
+    "model_name",
+    "config_hash",
+    "cache_path",
+    "default_cache_dir",
+    "train",
+    "load_or_train",
+    "accuracy",
+    "pgd_linf",
+    "ModelSpec",
+    "LoadedModel",
+    "parse_spec",
+    "load_model",
+    "check_model",
+]
