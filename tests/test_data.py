@@ -402,7 +402,7 @@ def test_tfds_source_reads_the_prepared_dataset_without_tensorflow(tfds_dir):
 def test_tfds_errors(tfds_dir, tmp_path):
     with pytest.raises(FileNotFoundError, match="not prepared.*--download"):
         data.open_source("tfds:tiny_digits", data_dir=str(tmp_path))
-    with pytest.raises(FileNotFoundError, match="no_such_dataset"):
+    with pytest.raises(FileNotFoundError, match="'no_such_dataset' is neither prepared"):
         data.open_source("tfds:no_such_dataset", data_dir=str(tmp_path))
     with pytest.raises(ValueError, match="no split 'validation'"):
         data.open_source("tfds:tiny_digits:validation", data_dir=tfds_dir)

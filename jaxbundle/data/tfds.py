@@ -1,7 +1,7 @@
 """``tfds:NAME[:SPLIT]``: a tensorflow-datasets dataset, read through its ``data_source``.
 
-``data_source`` reads the ``array_record`` files random-access and decodes images with NumPy
-and PIL, so it needs no TensorFlow (``pip install 'jaxbundle[tfds]'``). Nothing is downloaded
+``data_source`` reads the ``array_record`` files random-access and the images are decoded with
+PIL, so it needs no TensorFlow (``pip install 'jaxbundle[tfds]'``). Nothing is downloaded
 unless ``download=True``, which prepares the dataset in the ``array_record`` format. A dataset
 prepared elsewhere is read from its files alone (its builder code need not be importable).
 
@@ -12,6 +12,7 @@ ImageNet evaluation crop), on the uint8 pixels, so the result stays on the 8-bit
 
 from __future__ import annotations
 
+import io
 from typing import Any
 
 import numpy as np
@@ -38,6 +39,16 @@ def center_crop(image: np.ndarray, size: int) -> np.ndarray:
     return out[..., None] if out.ndim == 2 else out
 
 
+def _decode(encoded: bytes, channels: int) -> np.ndarray:
+    """A PNG or JPEG image as uint8 ``[H, W, channels]`` (PIL; no TensorFlow, no OpenCV)."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(encoded)) as image:
+        image = image.convert("L" if channels == 1 else "RGB")
+        array = np.asarray(image)
+    return array[..., None] if array.ndim == 2 else array
+
+
 class TfdsSource:
     """Split ``split`` of tfds dataset ``name`` in ``data_dir`` (see the module docstring)."""
 
@@ -61,7 +72,10 @@ class TfdsSource:
             builder = tfds.builder(name, data_dir=data_dir)
         except Exception as err:  # DatasetNotFoundError and friends
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-            raise FileNotFoundError(f"tfds dataset {name!r} in {where}: {first}") from None
+            raise FileNotFoundError(
+                f"tfds dataset {name!r} is neither prepared in {where} nor known to "
+                f"tensorflow-datasets ({first})"
+            ) from None
         if not builder.is_prepared():
             if not download:
                 raise FileNotFoundError(
@@ -79,7 +93,11 @@ class TfdsSource:
             raise ValueError(f"tfds dataset {name!r} has no (image, label) supervised keys")
         self._image_key, self._label_key = keys
         try:
-            self._data = builder.as_data_source(split=split)
+            feature = info.features[self._image_key]
+            # Encoded images are decoded here with PIL (tfds would warn about OpenCV).
+            self._encoded = isinstance(feature, tfds.features.Image)
+            decoders = {self._image_key: tfds.decode.SkipDecoding()} if self._encoded else None
+            self._data = builder.as_data_source(split=split, decoders=decoders)
         except Exception as err:
             raise ValueError(
                 f"tfds dataset {name!r} cannot be read random-access ({err}); prepare it in "
@@ -109,7 +127,9 @@ class TfdsSource:
 
     def read(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
         records = self._data.__getitems__(list(range(start, stop)))
-        images = [np.asarray(r[self._image_key]) for r in records]
+        images = [r[self._image_key] for r in records]
+        if self._encoded:
+            images = [_decode(im, self.shape[-1]) for im in images]
         if self._image_size is not None:
             images = [center_crop(im, self._image_size) for im in images]
         labels = np.asarray([r[self._label_key] for r in records], np.int64)
