@@ -103,9 +103,15 @@ def user(tmp_path_factory):
             "cache": str(root / "cache")}
 
 
-def _cli(user, *flags, timeout=600, **popen):
-    cmd = [sys.executable, "-m", "jaxbundle", "evaluate", "--no-progress", "--batch-size", "16",
-           "--cache-dir", user["cache"], *flags]
+EXPERIMENTS = os.path.join(os.path.dirname(__file__), os.pardir, "experiments")
+
+
+def _cli(user, *flags, timeout=600, script=None, **popen):
+    """``jaxbundle evaluate FLAGS``, or ``python experiments/SCRIPT FLAGS``, in the user's
+    directory."""
+    start = ([sys.executable, os.path.join(EXPERIMENTS, script)] if script else
+             [sys.executable, "-m", "jaxbundle", "evaluate"])
+    cmd = [*start, "--no-progress", "--batch-size", "16", "--cache-dir", user["cache"], *flags]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
                           cwd=user["root"], **popen)
 
@@ -155,11 +161,12 @@ def test_user_model_on_npz_data(user, tmp_path):
 
 
 def test_user_model_on_tfds_data_with_saved_images(user, tmp_path):
+    """Through the MNIST experiment script, its dataset replaced by the test's own."""
     out = tmp_path / "tfds"
     run = _cli(user, "--model", str(user["root"] / "gray_cnn.py") + ":model",
                "--data", "tfds:tiny_digits:test", "--data-dir", user["tfds"], "--eps", "0.1",
                "--attacks", "fgsm,pgd-ce", "--steps", "10", "--save-images", "--no-shifts",
-               "--out", str(out))
+               "--out", str(out), script="mnist.py")
     assert run.returncode == 0, run.stderr[-3000:]
     m = _report(out)["models"]["model"]
     assert m["n_examples"] == 96 and m["data"]["name"] == "tfds:tiny_digits/test"
@@ -176,12 +183,15 @@ def test_user_model_on_tfds_data_with_saved_images(user, tmp_path):
 
 
 def test_cifar_shaped_colour_run_with_the_cifar_preset(user, tmp_path):
+    """Through the CIFAR-10 experiment script (its preset), on 32x32 colour images."""
     out = tmp_path / "colour"
     run = _cli(user, "--model", "colour=colour_cnn.py:model", "--data", "tfds:tiny_colour",
-               "--data-dir", user["tfds"], "--preset", "cifar10-linf", "--bundle", "fast",
-               "--restarts", "1", "--steps", "10", "--no-shifts", "--out", str(out))
+               "--data-dir", user["tfds"], "--bundle", "fast", "--restarts", "1", "--steps",
+               "10", "--no-shifts", "--out", str(out), script="cifar10.py")
     assert run.returncode == 0, run.stderr[-3000:]
-    m = _report(out)["models"]["colour"]
+    report = _report(out)
+    assert report["config"]["threat_model"]["preset"] == "cifar10-linf"
+    m = report["models"]["colour"]
     assert m["eps"] == pytest.approx(8 / 255) and m["norm"] == "linf"
     assert m["judging"]["grid_examples"] == 96
     with np.load(out / m["per_example"]) as pe:

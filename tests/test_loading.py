@@ -14,6 +14,7 @@ import sys
 import textwrap
 
 import flax.linen as nn
+import flax.serialization
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -429,3 +430,21 @@ def test_plain_example_weights_round_trip(tmp_path):
 def test_loading_names_are_exported():
     for name in ("ModelSpec", "LoadedModel", "parse_spec", "load_model", "check_model"):
         assert name in models.__all__ and getattr(models, name) is getattr(models.loading, name)
+
+
+def test_the_readme_example_model_loads_and_runs(tmp_path, monkeypatch):
+    """The model a reader pastes from README.md's "Evaluate your own model" works as written."""
+    readme = (pathlib.Path(__file__).parent.parent / "README.md").read_text()
+    section = readme.split("## Evaluate your own model", 1)[1]
+    code = section.split("```python\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "my_model.py").write_text(code)
+    namespace: dict = {}
+    exec(compile(code, "my_model.py", "exec"), namespace)
+    params = namespace["CNN"]().init(jax.random.key(1), jnp.zeros((1, 28, 28, 1)))
+    (tmp_path / "my_model.msgpack").write_bytes(flax.serialization.to_bytes(params))
+    monkeypatch.chdir(tmp_path)
+    name, apply_fn, loaded = models.load_model("mine=my_model.py:model")
+    assert name == "mine"
+    x = np.random.default_rng(0).uniform(0, 1, (4, 28, 28, 1)).astype(np.float32)
+    assert models.check_model(apply_fn, loaded, x, num_classes=10, name=name) == 10
+    np.testing.assert_array_equal(apply_fn(loaded, x), namespace["CNN"]().apply(params, x))
