@@ -106,19 +106,28 @@ def _worker_script(problem, tmp_path, setup: str, checkpoint: bool = False) -> s
         f"""
         import json, sys
         import jax, numpy as np
-        from jaxbundle import attacks
-        from jaxbundle.evaluate import evaluate
+        from jaxbundle import attacks, data
+        from jaxbundle.evaluate import evaluate_source
         from toys import linear_apply
         tag = sys.argv[1]
         d = np.load(r"{tmp_path / 'p.npz'}")
         params = {{"w": d["w"], "b": d["b"]}}
-        ev = evaluate(linear_apply, params, d["x"], d["y"],
-                      [attacks.fgsm(), attacks.pgd(steps=4, restarts=2)],
-                      eps=float(d["eps"]), seed=3, batch_size=16, mesh="auto",
-                      checkpoint_dir={ckpt})
+        reads = []
+
+        class Recording(data.ArraySource):
+            def read(self, start, stop):
+                reads.append([start, stop])
+                return super().read(start, stop)
+
+        ev = evaluate_source(linear_apply, params, Recording(d["x"], d["y"]),
+                             [attacks.fgsm(), attacks.pgd(steps=4, restarts=2)],
+                             eps=float(d["eps"]), seed=3, batch_size=16, mesh="auto",
+                             checkpoint_dir={ckpt}, keep_images=True)
         np.savez(r"{tmp_path}" + f"/out{{tag}}.npz", **ev.per_example)
         with open(r"{tmp_path}" + f"/metrics{{tag}}.json", "w") as f:
             json.dump(ev.metrics, f)
+        with open(r"{tmp_path}" + f"/reads{{tag}}.json", "w") as f:
+            json.dump(reads, f)
         """
     )
 
@@ -240,3 +249,39 @@ def test_two_processes_give_the_same_answer(problem, tmp_path):
     _assert_same_as_single_device(problem, tmp_path, ["0", "1"])
     with np.load(tmp_path / "ckpt" / "checkpoint.npz") as saved:  # written by process 0
         assert int(saved["batches_done"]) == 3
+    # Each process read only the rows its own devices take: its half of every batch (the
+    # padding of the last batch repeats the last example), plus single rows for the figure.
+    n = len(problem[2])
+    for p in range(2):
+        reads = json.loads((tmp_path / f"reads{p}.json").read_text())
+        own = {min(r, n - 1) for b in range(3) for r in range(16 * b + 8 * p, 16 * b + 8 * p + 8)}
+        batch_reads = [r for r in reads if r[1] - r[0] > 1]
+        # Process 1's slice of the last batch (rows 40..47 of 37) is all padding: one row.
+        assert len(batch_reads) == [3, 2][p]
+        assert {i for a, b in batch_reads for i in range(a, b)} <= own
+        assert sum(b - a for a, b in reads) <= len(own) + 8
+
+
+def test_attack_descriptions_hold_no_object_addresses():
+    """The checkpoint fingerprint is built from these: they must not change between processes
+    (a repr() with a function's address would refuse every resume in a new process)."""
+    import functools
+    import re
+
+    from jaxbundle import suites
+    from jaxbundle.evaluate import describe, fingerprint
+
+    for norm in ("linf", "l2"):
+        for name in suites.ATTACKS:
+            try:
+                a = suites.attack(name, norm)
+            except ValueError:  # not defined in this norm
+                continue
+            text = json.dumps(describe(a))
+            assert not re.search(r"0x[0-9a-f]{6,}", text), (name, text)
+            assert a.init.__module__ in text and a.name in text
+    closure = functools.partial(linear_apply, {"w": 1})
+    assert "0x" not in json.dumps(describe(closure)) and "linear_apply" in json.dumps(
+        describe(closure)
+    )
+    assert fingerprint(a=1, b=[1, 2]) == fingerprint(b=[1, 2], a=1)
