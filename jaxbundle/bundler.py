@@ -181,7 +181,9 @@ def _run_attack(
 
 @functools.partial(
     jax.jit,
-    static_argnames=("apply_fn", "attacks", "goal_names", "norm", "judging", "unroll", "restart_mode"),
+    static_argnames=(
+        "apply_fn", "attacks", "goal_names", "norm", "judging", "unroll", "restart_mode", "indices"
+    ),
 )
 def _bundle(
     params: Any,
@@ -198,7 +200,11 @@ def _bundle(
     judging: str,
     unroll: int | bool,
     restart_mode: str,
+    indices: tuple[int, ...] | None = None,
 ) -> BundleResult:
+    """The jitted bundle. ``indices`` are the attacks' positions in the whole bundle (their key
+    folds and the ``attack`` field of their candidates); default ``0, 1, ...``: a cascade runs
+    attack ``k`` alone under index ``k`` (see :mod:`jaxbundle.schedule`)."""
     x = x.astype(jnp.float32)
     y = y.astype(jnp.int32)
     eps = jnp.broadcast_to(jnp.asarray(eps, jnp.float32), y.shape)
@@ -213,7 +219,7 @@ def _bundle(
     start = {g: clean for g in goal_names}  # every attack starts alone from the clean image
     best = start
     successes, distortions = [], []
-    for index, attack in enumerate(attacks):
+    for index, attack in zip(indices or range(len(attacks)), attacks):
         found = _run_attack(
             attack, index, model, keys, x, y, eps, norm, goal_names, start, unroll, restart_mode
         )

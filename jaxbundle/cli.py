@@ -144,6 +144,20 @@ def _parser() -> argparse.ArgumentParser:
         "require the grid (grid); or judge everything in float32 (float)",
     )
     threat.add_argument(
+        "--schedule", choices=("full", "cascade"), default="full",
+        help="full: every attack on every example (the many-attack table); cascade: each "
+        "attack only on the examples not yet fooled (prioritisation, far cheaper)",
+    )
+    threat.add_argument(
+        "--threshold", type=_positive_float, default=None,
+        help="cascade: the defender's confidence threshold t; an example drops out once a "
+        "wrong class reaches confidence t (max-confidence goal)",
+    )
+    threat.add_argument(
+        "--budget", type=_positive_float, default=None,
+        help="cascade: model passes per example on average; least-run examples first",
+    )
+    threat.add_argument(
         "--best-effort", action="store_true",
         help="add RoBIC's best-effort distortions (bisection on eps) to the report",
     )
@@ -261,7 +275,8 @@ def _evaluate(args: argparse.Namespace, console: Console) -> None:
         refs, source, attack_list, out=args.out, eps=eps, norm=norm, seed=args.seed,
         batch_size=args.batch_size, judging=args.judging, shifts=not args.no_shifts,
         checkpoint_dir=args.checkpoint_dir, save_images=args.save_images,
-        best_effort=args.best_effort, surrogates=surrogates, config=config, console=console,
+        best_effort=args.best_effort, surrogates=surrogates, schedule=args.schedule,
+        threshold=args.threshold, budget=args.budget, config=config, console=console,
         show_progress=not args.no_progress,
     )
     if path is not None:

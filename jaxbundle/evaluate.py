@@ -38,6 +38,7 @@ from jaxbundle import goals as goals_lib
 from jaxbundle import norms
 from jaxbundle.attacks.base import Attack
 from jaxbundle import judge
+from jaxbundle import schedule as schedule_lib
 from jaxbundle.bundler import BundleResult, bundle, check_attacks, check_inputs, goals_for
 from jaxbundle.metrics import Counts, kind_success
 
@@ -178,6 +179,11 @@ def _evaluate_batch(
         example_id=example_id, judging=judging, unroll=unroll, restart_mode=restart_mode,
         validate=False,
     )
+    return _summary(result, x, y, example_id, mask, eps, attacks, mesh)
+
+
+def _summary(result, x, y, example_id, mask, eps, attacks, mesh):
+    """A batch's counts and per-example outputs, replicated on every device under a mesh."""
     black_box = tuple(a.black_box for a in attacks)
     eps_b = jnp.full(y.shape, eps, jnp.float32)
     outputs = dict(per_example_arrays(result, x, eps_b, black_box), label=y, example_id=example_id)
@@ -185,6 +191,11 @@ def _evaluate_batch(
     if mesh is not None:
         out = jax.lax.with_sharding_constraint(out, NamedSharding(mesh, PartitionSpec()))
     return out
+
+
+@functools.partial(jax.jit, static_argnames=("attacks", "mesh"))
+def _summarise(result, x, y, example_id, mask, eps, *, attacks, mesh):
+    return _summary(result, x, y, example_id, mask, eps, attacks, mesh)
 
 
 def describe(value: Any) -> Any:
@@ -226,6 +237,35 @@ def fingerprint(**config: Any) -> str:
     """A short hash of a JSON-able description (stable across processes and machines)."""
     text = json.dumps(config, sort_keys=True, default=repr)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _cascade_metrics(metrics, per_example, attacks, stages, goal, threshold, budget) -> dict:
+    """What a cascade reports instead of the many-attack table: each stage's attack, the
+    examples it ran on, what it spent, and the robust accuracy after it."""
+    ok = per_example["clean_prediction"] == per_example["label"]
+    fooled = np.cumsum(per_example["attack_success"], axis=1) > 0  # [n, A] after each stage
+    n = len(ok)
+    rows = []
+    for k, a in enumerate(attacks):
+        examples, computed = (int(v) for v in stages[k])
+        rows.append({
+            "attack": a.name, "examples": examples, "rows": computed,
+            "gradients": examples * a.gradients, "queries": examples * a.queries,
+            "robust_accuracy": 100.0 * float(np.sum(ok & ~fooled[:, k])) / n,
+        })
+    black = [a.black_box for a in attacks]
+    white_first = not any(b and not c for b, c in zip(black, black[1:]))  # no white after black
+    out = {
+        "schedule": {"mode": "cascade", "goal": goal, "threshold": threshold, "budget": budget,
+                     "stages": rows},
+        # Attack k saw only the survivors of attacks 1..k-1: no many-attack table.
+        "mat": {}, "wat": None, "wat_attack": None, "black_box_robust_accuracy": None,
+        "gradients_per_example": float(np.mean(per_example["gradients"])),
+        "queries_per_example": float(np.mean(per_example["queries"])),
+    }
+    if not white_first:
+        out.update(white_box_robust_accuracy=None, black_box_only=None)
+    return out
 
 
 def _stored_on_grid(source: data_lib.Source, judging: str) -> bool:
@@ -281,6 +321,7 @@ class _State(NamedTuple):
     batches_done: int
     counts: Counts
     chunks: dict[str, list[np.ndarray]]
+    stages: np.ndarray  # [A, 2] cascade only: examples attacked and rows computed per attack
     gallery: tuple[np.ndarray, np.ndarray]
 
 
@@ -303,6 +344,7 @@ def _load_checkpoint(path: str, fingerprint_: str, empty: _State) -> _State:
             int(saved["batches_done"]),
             Counts(*(saved[f"counts_{f}"] for f in Counts._fields)),
             {k[4:]: [saved[k]] for k in saved.files if k.startswith("out_")},
+            saved["stages"],
             (saved["gallery_id"], saved["gallery_x_adv"]),
         )
 
@@ -312,7 +354,8 @@ def _save_checkpoint(path: str, fingerprint_: str, state: _State) -> None:
     arrays.update({f"out_{k}": np.concatenate(v) for k, v in state.chunks.items()})
     files_lib.save_npz(
         path, batches_done=state.batches_done, fingerprint=fingerprint_,
-        gallery_id=state.gallery[0], gallery_x_adv=state.gallery[1], **arrays
+        stages=state.stages, gallery_id=state.gallery[0], gallery_x_adv=state.gallery[1],
+        **arrays
     )
 
 
@@ -359,6 +402,10 @@ def evaluate_source(
     images_dir: str | None = None,
     keep_images: bool = False,
     gallery: int = 8,
+    schedule: str = "full",
+    schedule_goal: str = "misclassify",
+    threshold: float | None = None,
+    budget: float | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> Evaluation:
     """Evaluates a model under a bundle of attacks on a dataset read batch by batch.
@@ -388,6 +435,12 @@ def evaluate_source(
         ``images_dir/adversarial-{b:06d}.npz`` (``x_adv``, ``example_id``; by process 0).
       keep_images: also return them all in ``per_example["x_adv"]`` (in memory).
       gallery: how many fooled examples :attr:`Evaluation.gallery` shows (the first ones).
+      schedule: ``"full"`` (every attack on every example: the many-attack table) or
+        ``"cascade"`` (each attack only on the examples whose ``schedule_goal`` is not yet
+        satisfied, see :mod:`jaxbundle.schedule`; the metrics' ``schedule`` entry gives the
+        robust accuracy after each stage and what each stage spent, and there is no MAT).
+      schedule_goal, threshold, budget: the cascade's goal, the defender's confidence
+        threshold t (for ``max_confidence``) and its budget (model passes per example).
       progress: called as ``progress(batches_done, batches_total)``.
 
     Returns:
@@ -398,6 +451,8 @@ def evaluate_source(
     attacks = check_attacks(attacks, norm)
     goal_names = goals_for(goals, attacks)
     judge.check_judging(judging)
+    if schedule not in schedule_lib.SCHEDULES:
+        raise ValueError(f"schedule must be one of {schedule_lib.SCHEDULES}, got {schedule!r}")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
     n = len(source)
@@ -413,6 +468,7 @@ def evaluate_source(
     fingerprint_ = fingerprint(
         attacks=[describe(a) for a in attacks], eps=eps_value, norm=norm,
         goals=list(goal_names), seed=seed, batch_size=batch_size, judging=judging,
+        schedule=[schedule, schedule_goal, threshold, budget] if schedule != "full" else "full",
         data=source.describe(), n=n, model=params_digest(params), images=keep_images,
         apply_fn=describe(apply_fn),
     )
@@ -434,7 +490,7 @@ def evaluate_source(
     # Host-side state only (numpy): counts are summed here, never by eager ops on global arrays.
     state = _State(
         0, jax.tree.map(np.asarray, Counts.empty(len(attacks))), {},
-        (np.zeros(0, np.int32), np.zeros((0, *source.shape), np.uint8 if uint8_images else np.float32)),
+        np.zeros((len(attacks), 2), np.int64), (np.zeros(0, np.int32), np.zeros((0, *source.shape), np.uint8 if uint8_images else np.float32)),
     )
     ckpt_path = None
     for directory in (checkpoint_dir, images_dir):
@@ -467,14 +523,27 @@ def evaluate_source(
                 jax.make_array_from_process_local_data(sharding, a, (batch_size, *a.shape[1:]))
                 for a in arrays
             )
-        batch_counts, outputs = _evaluate_batch(
-            params, *arrays[:2], key, *arrays[2:], jnp.float32(eps_value), apply_fn=apply_fn,
-            attacks=attacks, goal_names=goal_names, norm=norm, judging=judging, unroll=unroll,
-            restart_mode=restart_mode, mesh=mesh,
-        )
+        real = np.arange(index * batch_size, (index + 1) * batch_size) < n
+        stage_counts = np.zeros((len(attacks), 2), np.int64)
+        if schedule == "full":
+            batch_counts, outputs = _evaluate_batch(
+                params, *arrays[:2], key, *arrays[2:], jnp.float32(eps_value),
+                apply_fn=apply_fn, attacks=attacks, goal_names=goal_names, norm=norm,
+                judging=judging, unroll=unroll, restart_mode=restart_mode, mesh=mesh,
+            )
+        else:
+            result, stages = schedule_lib.cascade(
+                attacks, apply_fn, params, arrays[0], arrays[1], key, arrays[2],
+                jnp.float32(eps_value), norm=norm, goal_names=goal_names, judging=judging,
+                mask=real, goal=schedule_goal, threshold=threshold, budget=budget,
+                unroll=unroll, restart_mode=restart_mode, mesh=mesh,
+            )
+            stage_counts = np.asarray([[s.examples, s.rows] for s in stages], np.int64)
+            batch_counts, outputs = _summarise(
+                result, *arrays, jnp.float32(eps_value), attacks=attacks, mesh=mesh
+            )
         # Every output is replicated: each process reads its own full copy.
         counts = state.counts.merge(jax.tree.map(np.asarray, batch_counts))
-        real = np.arange(index * batch_size, (index + 1) * batch_size) < n
         outputs = {k: np.asarray(v)[real] for k, v in outputs.items()}
         x_adv = outputs.pop("x_adv")
         if uint8_images:
@@ -485,7 +554,7 @@ def evaluate_source(
             outputs["x_adv"] = x_adv
         chunks = {k: state.chunks.get(k, []) + [v] for k, v in outputs.items()}
         shown = _fooled(outputs)[: gallery - len(state.gallery[0])]
-        state = _State(index + 1, counts, chunks, (
+        state = _State(index + 1, counts, chunks, state.stages + stage_counts, (
             np.concatenate([state.gallery[0], outputs["example_id"][shown]]),
             np.concatenate([state.gallery[1], x_adv[shown]]) if shown.size else state.gallery[1],
         ))
@@ -508,6 +577,11 @@ def evaluate_source(
     }
     metrics["data"] = {"name": source.name, "n": n}
     metrics.update(curve_metrics(per_example, attacks, norm))
+    metrics["schedule"] = {"mode": schedule}
+    if schedule == "cascade":
+        metrics.update(_cascade_metrics(
+            metrics, per_example, attacks, state.stages, schedule_goal, threshold, budget
+        ))
     ids, x_adv = state.gallery
     clean = [data_lib.to_unit_float(source.read(int(i), int(i) + 1)[0]) for i in ids]
     shown = {

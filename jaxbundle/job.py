@@ -214,6 +214,9 @@ def run_job(
     save_images: bool = False,
     best_effort: bool = False,
     surrogates: Sequence[ModelRef] = (),
+    schedule: str = "full",
+    threshold: float | None = None,
+    budget: float | None = None,
     config: dict | None = None,
     console: Any = None,
     show_progress: bool = True,
@@ -233,6 +236,10 @@ def run_job(
         them in the report's per-example file.
       best_effort: add RoBIC's best-effort distortions (bisection on eps up to ``eps``).
       surrogates: models the attacker owns; adds the transfer of their candidates.
+      schedule, threshold, budget: ``"full"`` or ``"cascade"`` (see
+        :func:`jaxbundle.evaluate.evaluate_source`); with ``threshold`` t the cascade drops an
+        example once a wrong class reaches confidence t (max-confidence goal), else once it is
+        misclassified; ``budget``: model passes per example for the cascade.
       config: what the report's ``config`` records besides what this function knows.
       console: a ``rich`` console to print progress and the tables on (process 0).
       show_progress: progress bars on ``console``.
@@ -276,7 +283,9 @@ def run_job(
                 batch_size=batch_size, judging=judging, progress=step,
                 checkpoint_dir=None if checkpoint_dir is None else os.path.join(checkpoint_dir, ref.name),
                 images_dir=os.path.join(out, "adversarial", ref.name) if save_images else None,
-                keep_images=getattr(source, "in_memory", False),
+                keep_images=getattr(source, "in_memory", False), schedule=schedule,
+                schedule_goal="misclassify" if threshold is None else "max_confidence",
+                threshold=threshold, budget=budget,
             )
             metrics = evaluation.metrics
             metrics["model"] = ref.origin
@@ -309,6 +318,7 @@ def run_job(
         batch_size=batch_size, attacks=[a.name for a in attacks], models=names,
         model_origins={m.name: m.origin for m in models},
         surrogates={m.name: m.origin for m in surrogates}, best_effort=best_effort,
+        schedule=schedule, threshold=threshold, budget=budget,
         processes=jax.process_count(), devices=jax.device_count(),
     )
     return write_report(out, record, results), results

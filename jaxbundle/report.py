@@ -13,6 +13,10 @@ Schema of ``report.json`` (version 1)::
           "robust_accuracy": float,        # percent, bundled (every attack, per example)
           "relative_robustness": float | null,   # robust / clean correct x 100
           "mat": {"<attack>": float},      # percent robust accuracy of each attack alone
+                                           # (empty with the cascade schedule)
+          "schedule": {"mode": "full" | "cascade",   # cascade also: "goal", "threshold",
+                       "stages": [{"attack", "examples", "rows", "gradients", "queries",
+                                   "robust_accuracy"}]},  # "budget"; one stage per attack
           "wat": float,                    # lowest single-attack robust accuracy
           "wat_attack": "<attack>",
           "confident_failure_rate": {"<threshold>": float},  # percent
@@ -74,6 +78,18 @@ def _pct(v: float | None) -> str:
     return "n/a" if v is None else f"{v:6.2f}"
 
 
+def attack_rows(metrics: dict) -> list[tuple[str, float | None]]:
+    """The per-attack rows of a model's table: the MAT and the WAT (full schedule), or the
+    robust accuracy after each stage of a cascade, with the examples each stage ran on."""
+    if metrics.get("schedule", {}).get("mode") == "cascade":
+        return [
+            (f"after {s['attack']} ({s['examples']} attacked)", s["robust_accuracy"])
+            for s in metrics["schedule"]["stages"]
+        ]
+    rows = [(f"MAT  {name}", acc) for name, acc in metrics["mat"].items()]
+    return rows + [(f"WAT  ({metrics['wat_attack']})", metrics["wat"])]
+
+
 def table(model_name: str, metrics: dict) -> Table:
     """A terminal table: clean accuracy, MAT rows, WAT, bundled robust accuracy and RR."""
     t = Table(
@@ -87,9 +103,8 @@ def table(model_name: str, metrics: dict) -> Table:
     clean = metrics["clean_accuracy"]
     rr = lambda acc: None if not clean else 100.0 * acc / clean  # noqa: E731
     t.add_row("clean", _pct(clean), "")
-    for name, acc in metrics["mat"].items():
-        t.add_row(f"MAT  {name}", _pct(acc), _pct(rr(acc)))
-    t.add_row(f"WAT  ({metrics['wat_attack']})", _pct(metrics["wat"]), _pct(rr(metrics["wat"])))
+    for label, acc in attack_rows(metrics):
+        t.add_row(label, _pct(acc), _pct(rr(acc)))
     white, black = metrics.get("white_box_robust_accuracy"), metrics.get("black_box_robust_accuracy")
     if white is not None and black is not None:
         t.add_row("white-box bundled", _pct(white), _pct(rr(white)))
@@ -185,8 +200,10 @@ def markdown(report: dict) -> str:
         rr = lambda acc: None if not clean else 100.0 * acc / clean  # noqa: E731
         lines += [f"## {name}", "", "| row | accuracy % | RR % |", "|---|---:|---:|",
                   f"| clean | {_fmt(clean)} | |"]
-        lines += [f"| MAT {a} | {_fmt(v)} | {_fmt(rr(v))} |" for a, v in m["mat"].items()]
-        lines.append(f"| WAT ({m['wat_attack']}) | {_fmt(m['wat'])} | {_fmt(rr(m['wat']))} |")
+        lines += [
+            f"| {' '.join(label.split())} | {_fmt(v)} | {_fmt(rr(v))} |"
+            for label, v in attack_rows(m)
+        ]
         for kind in ("white_box", "black_box"):
             v = m.get(f"{kind}_robust_accuracy")
             if v is not None and m.get("black_box_robust_accuracy") is not None:

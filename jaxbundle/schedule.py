@@ -1,0 +1,225 @@
+"""Prioritisation: a bundle run as a cascade that spends nothing on examples already satisfied.
+
+The bundling paper's rule for an attacker with finite compute: once an example's goal is met,
+stop spending on it, and spend on the examples still unsatisfied. :func:`cascade` runs the
+attacks of a bundle one stage at a time on one batch:
+
+1. before stage ``k``, the examples whose ``goal`` is satisfied drop out: ``misclassify``, a
+   verified success (a clean misclassification included); ``max_confidence``, a wrong class
+   with confidence at least ``threshold`` inside the ball (the defender's threshold t);
+   ``min_norm`` is never satisfied (a smaller distortion is always better), so every example
+   stays. The other goals tracked are folded wherever an attack runs;
+2. the survivors are compacted into the smallest of a few fixed bucket sizes (``batch``,
+   ``batch / 4``, ``batch / 16``, ...; padded by repeating the last survivor), so each attack
+   compiles at most once per bucket size, never per batch;
+3. stage ``k`` is :func:`jaxbundle.bundler.bundle` with attack ``k`` alone, under the same
+   per-example keys as in the full bundle (``fold_in(fold_in(key, example_id), k)``), and its
+   verified results are folded into the batch's best states at the survivors' rows.
+
+Every example's randomness depends only on its id and the attack's index, and an attack's result
+on an example does not depend on the other examples in the batch, so for the misclassify goal a
+cascade fools exactly the examples the full bundle fools (tested), at the cost of the attacks
+it ran. What it does not give is the many-attack table: attack ``k`` saw only the survivors of
+attacks ``1..k-1``. Its ``attack_success[k]`` is False where attack ``k`` did not run.
+
+With ``budget`` (model passes per example, averaged over the batch), a stage that cannot be
+paid for every survivor runs on the survivors that have had the least compute so far (the
+paper's least-run-first rule), the others wait for the next stage.
+
+One host sync per stage (the survivors' count); none per step.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxbundle import goals as goals_lib
+from jaxbundle import norms
+from jaxbundle.attacks.base import Attack
+from jaxbundle.bundler import BestState, BundleResult, _bundle, candidate_state, fold
+from jaxbundle.judge import judged_on_grid
+
+__all__ = ["SCHEDULES", "Stage", "bucket_sizes", "cascade", "satisfied"]
+
+SCHEDULES = ("full", "cascade")
+
+
+class Stage(NamedTuple):
+    """What one stage of a cascade did on one batch (host integers)."""
+
+    attack: int  # index of the attack in the bundle
+    examples: int  # real examples it ran on
+    rows: int  # bucket rows computed (examples plus padding)
+
+
+def bucket_sizes(batch_size: int, multiple: int = 1, factor: int = 4) -> tuple[int, ...]:
+    """The compacted batch sizes a cascade may use, largest first: ``batch_size`` and its
+    successive quarters, each rounded up to a multiple of ``multiple`` (the device count)."""
+    sizes = {batch_size}
+    size = batch_size
+    while size > multiple:
+        size = max(multiple, -(-(size // factor) // multiple) * multiple)
+        sizes.add(size)
+        if size == multiple:
+            break
+    return tuple(sorted(sizes, reverse=True))
+
+
+def satisfied(
+    best: dict[str, BestState], eps: jax.Array, goal: str = "misclassify",
+    threshold: float | None = None,
+) -> jax.Array:
+    """Per example: whether ``goal`` needs nothing more (see the module docstring)."""
+    if goal == "misclassify":
+        return goals_lib.success("misclassify", best["misclassify"].score, eps)
+    if goal == "max_confidence":
+        s = best["max_confidence"].score
+        return goals_lib.success("max_confidence", s, eps) & (s.confidence >= threshold)
+    return jnp.zeros(eps.shape, bool)  # min_norm: a smaller distortion is always better
+
+
+@functools.partial(jax.jit, static_argnames=("apply_fn", "goal_names", "norm", "judging"))
+def _start(params, x, y, eps, *, apply_fn, goal_names, norm, judging):
+    """The clean image as every goal's starting best, the eps attacks aim at, the grid flag."""
+    x = x.astype(jnp.float32)
+    y = y.astype(jnp.int32)
+    grid = judged_on_grid(x, judging)
+    eps = jnp.where(grid, norms.grid_radius(eps, norm), eps)
+    clean = candidate_state(x, apply_fn(params, x).astype(jnp.float32), x, y, norm, -1, 0, 0)
+    return {g: clean for g in goal_names}, clean.score, eps, grid
+
+
+@functools.partial(jax.jit, static_argnames=("goal", "threshold"))
+def _satisfied(best, eps, goal, threshold):
+    return satisfied(best, eps, goal, threshold)
+
+
+def _host_reader(mesh) -> Callable[[jax.Array], np.ndarray]:
+    """Reads a (possibly sharded) array on the host: replicated first under a mesh."""
+    if mesh is None:
+        return np.asarray
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    replicate = jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, PartitionSpec()))
+    return lambda a: np.asarray(replicate(a))
+
+
+@jax.jit
+def _take(tree, rows):
+    return jax.tree.map(lambda a: jnp.take(a, rows, axis=0), tree)
+
+
+@functools.partial(jax.jit, static_argnames=("goal_names",))
+def _merge(best, eps, rows, found, *, goal_names):
+    """Folds a stage's verified bests into the batch's at ``rows`` (padding repeats a real
+    row with the same result, so a repeated index writes the same value)."""
+    mine = _take(best, rows)
+    e = jnp.take(eps, rows)
+    merged = {g: fold(g, e, mine[g], found[g]) for g in goal_names}
+    return jax.tree.map(lambda a, b: a.at[rows].set(b), best, merged)
+
+
+@jax.jit
+def _put(a, rows, values):
+    return a.at[rows].set(values)
+
+
+def cascade(
+    attacks: Sequence[Attack],
+    apply_fn: Callable[[Any, jax.Array], jax.Array],
+    params: Any,
+    x: jax.Array,
+    y: jax.Array,
+    key: jax.Array,
+    example_id: jax.Array,
+    eps: jax.Array,
+    *,
+    norm: str,
+    goal_names: tuple[str, ...],
+    judging: str = "auto",
+    mask: np.ndarray | None = None,
+    goal: str = "misclassify",
+    threshold: float | None = None,
+    budget: float | None = None,
+    unroll: int | bool = 1,
+    restart_mode: str = "vmap",
+    mesh: Any = None,
+) -> tuple[BundleResult, list[Stage]]:
+    """Runs ``attacks`` on one batch as a cascade (see the module docstring).
+
+    Args:
+      attacks, apply_fn, params, x, y, key, example_id, eps, norm, judging, unroll,
+        restart_mode: as in :func:`jaxbundle.bundler.bundle` (``attacks`` checked already).
+      goal_names: the goals the bundle tracks (:func:`jaxbundle.bundler.goals_for`).
+      mask: host bool ``[B]``, False on padding rows (never attacked); default all True.
+      goal: the goal whose satisfaction drops an example (one of ``goal_names``).
+      threshold: the defender's confidence threshold t, for ``goal="max_confidence"``.
+      budget: model passes per example, on average over the real rows, for the whole cascade.
+      mesh: the 1-D ``("batch",)`` mesh the batch is sharded over, if any: bucket sizes are
+        multiples of its size, and the survivors' mask is replicated before it is read, so every
+        process reads the same mask and runs the same programs.
+
+    Returns:
+      ``(result, stages)``: a :class:`BundleResult` like the full bundle's (``attack_success``
+      and ``attack_distortion`` only where the attack ran; ``gradients`` / ``queries`` what
+      each example really cost) and one :class:`Stage` per attack.
+    """
+    attacks = tuple(attacks)
+    if goal not in goal_names:
+        raise ValueError(f"the cascade's goal {goal!r} is not among the goals {goal_names}")
+    if goal == "max_confidence" and not (threshold is not None and 0 < threshold <= 1):
+        raise ValueError(f"goal max_confidence needs a threshold t in (0, 1], got {threshold}")
+    batch = int(y.shape[0])
+    real = np.ones(batch, bool) if mask is None else np.asarray(mask, bool)
+    eps = jnp.broadcast_to(jnp.asarray(eps, jnp.float32), y.shape)
+    best, clean, eps_aimed, grid = _start(
+        params, x, y, eps, apply_fn=apply_fn, goal_names=goal_names, norm=norm, judging=judging
+    )
+    success = jnp.zeros((len(attacks), batch), bool)
+    distortion = jnp.full((len(attacks), batch), jnp.inf, jnp.float32)
+    spent = np.zeros(batch, np.int64)  # model passes per example so far (host)
+    gradients = np.zeros(batch, np.int64)
+    queries = np.zeros(batch, np.int64)
+    sizes = bucket_sizes(batch, 1 if mesh is None else mesh.devices.size)
+    host = _host_reader(mesh)
+    left = None if budget is None else float(budget) * int(real.sum())
+    stages = []
+    for k, attack in enumerate(attacks):
+        active = real & ~host(_satisfied(best, eps, goal, threshold))  # one sync
+        order = np.flatnonzero(active)
+        cost = attack.gradients + attack.queries
+        if left is not None and cost:
+            affordable = int(max(left, 0) // cost)
+            order = order[np.argsort(spent[order], kind="stable")][:affordable]
+            order.sort()
+        if order.size == 0:
+            stages.append(Stage(k, 0, 0))
+            continue
+        size = min(s for s in sizes if s >= order.size)
+        rows = np.concatenate([order, np.full(size - order.size, order[-1])]).astype(np.int32)
+        sub_x, sub_y, sub_id, sub_eps = _take((x, y, example_id, eps), rows)
+        found = _bundle(
+            params, sub_x, sub_y, key, sub_id, sub_eps, apply_fn=apply_fn, attacks=(attack,),
+            goal_names=goal_names, norm=norm, judging=judging, unroll=unroll,
+            restart_mode=restart_mode, indices=(k,),
+        )
+        best = _merge(best, eps_aimed, rows, found.best, goal_names=goal_names)
+        success = success.at[k].set(_put(success[k], rows, found.attack_success[0]))
+        distortion = distortion.at[k].set(_put(distortion[k], rows, found.attack_distortion[0]))
+        spent[order] += cost
+        gradients[order] += attack.gradients
+        queries[order] += attack.queries
+        if left is not None:
+            left -= cost * order.size
+        stages.append(Stage(k, int(order.size), size))
+    result = BundleResult(
+        best=best, clean=clean, attack_success=success, attack_distortion=distortion,
+        gradients=jnp.asarray(gradients, jnp.int32), queries=jnp.asarray(queries, jnp.int32),
+        judged_on_grid=grid,
+    )
+    return result, stages

@@ -1,0 +1,181 @@
+"""The cascade schedule: fools exactly what the full bundle fools, spends only on survivors,
+compiles once per bucket size, follows the defender's threshold and the least-run rule."""
+
+from __future__ import annotations
+
+import jax
+import jax.monitoring
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxbundle import attacks as attacks_lib
+from jaxbundle import goals as goals_lib
+from jaxbundle import suites
+from jaxbundle.bundler import bundle, goals_for
+from jaxbundle.evaluate import evaluate
+from jaxbundle.schedule import bucket_sizes, cascade
+from toys import images, linear_apply, linear_problem, min_distance
+
+KEY = jax.random.key(7)
+
+
+def _bundles(norm):
+    pgd = attacks_lib.pgd(norm=norm, steps=5, restarts=2)
+    return [
+        (attacks_lib.fgsm(norm=norm), pgd),
+        (attacks_lib.fgsm(norm=norm), pgd.rename("pgd-b"), suites.attack("square", norm, steps=40)),
+        (suites.attack("fmn", norm, steps=10), attacks_lib.fgsm(norm=norm)),
+    ]
+
+
+def _problem(n=48, seed=3):
+    params, x, y = linear_problem(n=n, k=5, seed=seed)
+    eps = float(np.quantile(min_distance(params, x, y, "linf"), 0.6))
+    return params, np.asarray(images(x)), y, eps
+
+
+@pytest.mark.parametrize("norm", ["linf", "l2"])
+@pytest.mark.parametrize("which", [0, 1, 2])
+def test_cascade_fools_exactly_what_the_full_bundle_fools(norm, which):
+    params, x, y, eps = _problem()
+    if norm == "l2":
+        eps *= 4
+    atts = _bundles(norm)[which]
+    goals = goals_for(("misclassify",), atts)
+    ids = jnp.arange(len(y), dtype=jnp.int32)
+    full = bundle(atts, linear_apply, params, x, y, KEY, eps=eps, norm=norm, goals=goals,
+                  example_id=ids)
+    res, stages = cascade(atts, linear_apply, params, x, y, KEY, ids, eps, norm=norm,
+                          goal_names=goals)
+    fooled_full = np.asarray(goals_lib.success("misclassify", full.best["misclassify"].score, eps))
+    fooled = np.asarray(goals_lib.success("misclassify", res.best["misclassify"].score, eps))
+    np.testing.assert_array_equal(fooled, fooled_full)
+    assert 0 < fooled.sum() < len(y)
+    # Attack k ran exactly on the examples no earlier attack had fooled, with the same result.
+    done = ~np.asarray(full.clean.misclassified)
+    for k, stage in enumerate(stages):
+        ran = done.copy()
+        assert stage.examples == ran.sum()
+        np.testing.assert_array_equal(
+            np.asarray(res.attack_success[k])[ran], np.asarray(full.attack_success[k])[ran]
+        )
+        assert not np.asarray(res.attack_success[k])[~ran].any()
+        done &= ~np.asarray(full.attack_success[k])
+    # Every example paid for the attacks that ran on it, and nothing else.
+    cost = np.zeros(len(y), int)
+    alive = ~np.asarray(full.clean.misclassified)
+    for k, a in enumerate(atts):
+        cost += alive * a.gradients
+        alive &= ~np.asarray(full.attack_success[k])
+    np.testing.assert_array_equal(np.asarray(res.gradients), cost)
+
+
+@pytest.mark.parametrize("batch_size", [5, 16, 48])
+def test_cascade_evaluation_equals_full_evaluation_per_example(batch_size):
+    params, x, y, eps = _problem(n=37, seed=4)
+    atts = _bundles("linf")[1]
+    full = evaluate(linear_apply, params, x, y, atts, eps=eps, batch_size=batch_size,
+                    mesh=None, goals=("misclassify",))
+    cas = evaluate(linear_apply, params, x, y, atts, eps=eps, batch_size=batch_size,
+                   mesh=None, goals=("misclassify",), schedule="cascade")
+    np.testing.assert_array_equal(cas.per_example["success"], full.per_example["success"])
+    assert cas.metrics["robust_accuracy"] == full.metrics["robust_accuracy"]
+    stages = cas.metrics["schedule"]["stages"]
+    # Robust accuracy after stage k is the full bundle's over attacks 1..k.
+    ok = full.per_example["clean_prediction"] == full.per_example["label"]
+    cumulative = np.cumsum(full.per_example["attack_success"], axis=1) > 0
+    for k, s in enumerate(stages):
+        assert s["robust_accuracy"] == pytest.approx(100 * np.mean(ok & ~cumulative[:, k]))
+    assert stages[-1]["robust_accuracy"] == cas.metrics["robust_accuracy"]
+    assert stages[0]["examples"] == ok.sum() and stages[1]["examples"] < stages[0]["examples"]
+    assert cas.metrics["mat"] == {} and cas.metrics["wat"] is None
+    spent = sum(s["gradients"] + s["queries"] for s in stages)
+    assert spent == cas.per_example["gradients"].sum() + cas.per_example["queries"].sum()
+    full_cost = full.per_example["gradients"].sum() + full.per_example["queries"].sum()
+    assert spent < full_cost
+
+
+def test_bucket_sizes():
+    assert bucket_sizes(256) == (256, 64, 16, 4, 1)
+    assert bucket_sizes(250) == (250, 62, 15, 3, 1)
+    assert bucket_sizes(256, 8) == (256, 64, 16, 8)
+    assert bucket_sizes(8, 8) == (8,)
+    assert all(s % 4 == 0 for s in bucket_sizes(100, 4))
+
+
+def test_no_recompilation_across_batches_and_buckets():
+    """A second evaluation with other data (other survivors, other buckets) compiles nothing."""
+    params, x, y, eps = _problem(n=64, seed=5)
+    atts = _bundles("linf")[0]
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        run = lambda xs, ys: evaluate(  # noqa: E731
+            linear_apply, params, xs, ys, atts, eps=eps, batch_size=16, mesh=None,
+            goals=("misclassify",), schedule="cascade")
+        run(x[:32], y[:32])
+        first = len(compiles)
+        run(x[32:], y[32:])
+        other = _problem(n=32, seed=6)
+        run(other[1], other[2])
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    assert first > 0
+    # Buckets seen for the first time may compile once each; nothing else does.
+    assert len(compiles) - first <= 2 * len(bucket_sizes(16))
+
+
+def test_max_confidence_threshold_on_a_linear_model_matches_the_analytic_answer():
+    """Two classes, a linear model, Linf: FGSM reaches the largest wrong-class logit gap in the
+    ball exactly (the box does not bind), so after it the examples left are exactly those whose
+    best reachable wrong-class confidence sigmoid(gap + eps * ||w1 - w0||_1) is below t."""
+    rng = np.random.default_rng(0)
+    d = 12
+    w = rng.normal(size=(d, 2)).astype(np.float32)
+    params = {"w": jnp.asarray(w), "b": jnp.asarray(-0.5 * w.sum(0))}  # centred on x = 0.5
+    x = (0.5 + 0.05 * rng.uniform(-1, 1, (64, d))).astype(np.float32)
+    y = np.asarray(jnp.argmax(linear_apply(params, x), 1)).astype(np.int32)
+    t = 0.7
+    z = np.asarray(linear_apply(params, x))
+    wrong = 1 - y
+    gap = z[np.arange(64), wrong] - z[np.arange(64), y]
+    l1 = np.abs(w[:, 1] - w[:, 0]).sum()
+    eps = float(np.median((np.log(t / (1 - t)) - gap) / l1))  # half of them can reach t
+    assert eps < 0.4  # the box [0, 1] does not bind around pixels in [0.45, 0.55]
+    best = 1 / (1 + np.exp(-(gap + eps * l1)))
+    expected_left = int(np.sum(best < t))
+    assert 0 < expected_left < 64
+    atts = (attacks_lib.fgsm(loss="ce"), attacks_lib.pgd(steps=3))
+    goals = goals_for(("misclassify", "max_confidence"), atts)
+    ids = jnp.arange(64, dtype=jnp.int32)
+    res, stages = cascade(atts, linear_apply, params, x, y, KEY, ids, eps, norm="linf",
+                          goal_names=goals, judging="float", goal="max_confidence", threshold=t)
+    assert stages[1].examples == expected_left
+    conf = np.asarray(res.best["max_confidence"].score.confidence)
+    np.testing.assert_allclose(np.sort(conf[best >= t]), np.sort(best[best >= t]), rtol=1e-4)
+    with pytest.raises(ValueError, match="threshold"):
+        cascade(atts, linear_apply, params, x, y, KEY, ids, eps, norm="linf", goal_names=goals,
+                goal="max_confidence")
+
+
+def test_budget_goes_to_the_least_run_examples_first():
+    """A shared budget: a stage it cannot pay for every survivor runs on the survivors that have
+    had the least compute so far (ties by position)."""
+    params, x, y, eps = _problem(n=40, seed=8)
+    one = attacks_lib.pgd(steps=1, step_size=1e-6)  # fools nothing: every example survives
+    two = attacks_lib.pgd(steps=2, step_size=1e-6).rename("two")
+    atts = (one, two, one.rename("again"))
+    goals = goals_for(("misclassify",), atts)
+    ids = jnp.arange(40, dtype=jnp.int32)
+    # 40 passes for stage 1, 2 x 15 for stage 2, 1 left for stage 3.
+    res, stages = cascade(atts, linear_apply, params, x, y, KEY, ids, eps, norm="linf",
+                          goal_names=goals, budget=71 / 40)
+    assert [s.examples for s in stages] == [40, 15, 1]
+    spent = np.asarray(res.gradients)
+    np.testing.assert_array_equal(spent, [3] * 15 + [2] + [1] * 24)
