@@ -179,3 +179,38 @@ def test_budget_goes_to_the_least_run_examples_first():
     assert [s.examples for s in stages] == [40, 15, 1]
     spent = np.asarray(res.gradients)
     np.testing.assert_array_equal(spent, [3] * 15 + [2] + [1] * 24)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["adversarial", "nn.Conv"])
+def test_cascade_equals_full_on_trained_cnns(model):
+    """On convolutional networks too (the demo CNN with its own conv, and one built from flax's
+    nn.Conv), where the survivors' buckets have other shapes than the batch."""
+    from jaxbundle import data, models
+
+    test = data.load_mnist_sample("test", n=48)
+    if model == "adversarial":
+        apply_fn, params = models.load_or_train(models.ADVERSARIAL)
+        eps = 0.3
+    else:
+        import flax.linen as nn
+
+        class Net(nn.Module):
+            @nn.compact
+            def __call__(self, x):
+                x = nn.relu(nn.Conv(8, (3, 3), strides=(2, 2))(x))
+                return nn.Dense(10)(x.reshape(x.shape[0], -1))
+
+        apply_fn, eps = Net().apply, 0.05
+        params = Net().init(jax.random.key(0), test.x[:1])
+    atts = (attacks_lib.fgsm(), attacks_lib.pgd(steps=10), suites.attack("square", "linf", steps=50))
+    runs = {
+        schedule: evaluate(apply_fn, params, test.x, test.y, atts, eps=eps, batch_size=24,
+                           mesh=None, goals=("misclassify",), schedule=schedule)
+        for schedule in ("full", "cascade")
+    }
+    np.testing.assert_array_equal(
+        runs["cascade"].per_example["success"], runs["full"].per_example["success"]
+    )
+    stages = runs["cascade"].metrics["schedule"]["stages"]
+    assert stages[-1]["examples"] < stages[0]["examples"]
