@@ -3,9 +3,12 @@ jitted code never sees a new shape."""
 
 from __future__ import annotations
 
-from typing import Iterator, NamedTuple
+from typing import TYPE_CHECKING, Iterator, NamedTuple
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from jaxbundle.data.source import Dataset
 
 __all__ = ["Batch", "batches", "num_batches"]
 

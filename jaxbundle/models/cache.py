@@ -6,7 +6,6 @@ import hashlib
 import json
 import os
 import pathlib
-import tempfile
 import time
 import warnings
 from typing import Any
@@ -16,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxbundle import files
 from jaxbundle.models.architectures import ApplyFn, Params, model_for, model_name
 from jaxbundle.models.training import (
     ADVERSARIAL,
@@ -86,19 +86,7 @@ def cache_path(
 
 def _atomic_write(path: pathlib.Path, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    files.atomic_write(path, data)
 
 
 def _template(config: TrainConfig, example_shape: tuple[int, ...]) -> Params:
