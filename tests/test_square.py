@@ -335,3 +335,14 @@ def test_linear_oracle(norm, shape, eps_scale, queries):
     assert not fooled[hard].any()
     assert np.all(np.asarray(r.best["misclassify"].score.distortion) <= eps * (1 + 1e-5) + 1e-6)
     np.testing.assert_array_equal(r.queries, queries)
+
+
+def test_autoattack_schedule_is_not_rescaled():
+    """AutoAttack runs Square with rescale_schedule=False: with 5,000 queries p halves after
+    iterations 10, 50, 200, 500, 1000, 2000 and 4000 as written, never at 6000 or 8000."""
+    t = jnp.asarray([0, 10, 11, 51, 201, 501, 1001, 2001, 4000, 4001, 4998])
+    got = np.asarray(fraction(t, 4999, 0.8, rescale=False))
+    halvings = [0, 0, 1, 2, 3, 4, 5, 6, 6, 7, 7]
+    np.testing.assert_allclose(got, 0.8 * 0.5 ** np.asarray(halvings), rtol=1e-6)
+    a = square("linf", queries=5000, rescale_schedule=False)
+    assert a.config.rescale_schedule is False and a.queries == 5000

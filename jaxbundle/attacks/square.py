@@ -96,6 +96,7 @@ class SquareConfig(NamedTuple):
     num_steps: int  # iterations after init (queries - 1)
     p_init: float  # initial fraction of pixels in the square
     grid: bool  # round every queried point to the 8-bit grid inside the ball
+    rescale_schedule: bool = True  # the p schedule stretched to the run as if 10,000 steps
 
 
 class SquareState(NamedTuple):
@@ -132,13 +133,17 @@ def _hwc(shape: tuple[int, ...]) -> tuple[int, int, int]:
     raise ValueError(f"square expects images [B, H, W, C], [B, H, W] or [B, D]; got {shape}")
 
 
-def fraction(t: jax.Array, num_steps: int, p_init: float) -> jax.Array:
+def fraction(
+    t: jax.Array, num_steps: int, p_init: float, rescale: bool = True
+) -> jax.Array:
     """The fraction of pixels ``p`` at step ``t`` (0-based) of a run of ``num_steps`` steps.
 
     ``p_init`` halved once for each threshold of :data:`SCHEDULE` below the step rescaled to
-    a 10,000-step run, ``floor(t * 10000 / num_steps)``.
+    a 10,000-step run, ``floor(t * 10000 / num_steps)``; with ``rescale=False`` below ``t``
+    itself (AutoAttack's setting: a 5,000-query run stops halving after iteration 4,000).
     """
-    it = (t.astype(jnp.int32) * SCHEDULE_LENGTH) // num_steps
+    t = t.astype(jnp.int32)
+    it = (t * SCHEDULE_LENGTH) // num_steps if rescale else t
     halvings = sum((it > th).astype(jnp.int32) for th in SCHEDULE)
     return jnp.float32(p_init) * jnp.exp2(-halvings.astype(jnp.float32))
 
@@ -383,7 +388,8 @@ def step(config: SquareConfig, state: SquareState, model: ScoreOracle):
     """One random-search step: one proposal per example, one query, greedy acceptance."""
     h, w, _ = _hwc(state.x.shape[1:])
     key, k_step = _split(state.key, 2)
-    s = side(fraction(state.t, config.num_steps, config.p_init), h, w, config.norm)
+    p = fraction(state.t, config.num_steps, config.p_init, config.rescale_schedule)
+    s = side(p, h, w, config.norm)
     propose = _linf_proposal if config.norm == "linf" else _l2_proposal
     fooled = state.loss < 0
     proposal = _on_grid(config, propose(k_step, state, s), state.x0, state.eps, model.grid)
@@ -406,6 +412,7 @@ def square(
     p_init: float | None = None,
     grid: bool = True,
     name: str | None = None,
+    rescale_schedule: bool = True,
 ) -> Attack:
     """The Square Attack, score-based, untargeted, in the Linf or L2 ball.
 
@@ -417,6 +424,8 @@ def square(
       grid: round every queried point to the 8-bit pixel grid inside the ball, for the
         examples whose clean image is on the grid (as the bundle judges them).
       name: report name; default ``"square"``.
+      rescale_schedule: stretch the paper's p schedule (written for 10,000 iterations) to
+        ``queries`` (True), or apply it at the iterations as written (False: AutoAttack's).
 
     Returns:
       An :class:`~jaxbundle.attacks.base.Attack` of kind ``"score-based"`` whose
@@ -443,7 +452,7 @@ def square(
         gradients_per_step=0,
         init=init,
         step=step,
-        config=SquareConfig(norm, num_steps, float(p_init), bool(grid)),
+        config=SquareConfig(norm, num_steps, float(p_init), bool(grid), bool(rescale_schedule)),
         goal="misclassify",
         init_queries=init_queries,
         queries_per_step=1,
