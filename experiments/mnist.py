@@ -1,13 +1,6 @@
-"""Robustness of your model on the MNIST test set (10,000 images) at Linf 0.3 (Madry et al. 2018).
+"""Your model on the MNIST test set at Linf 0.3 (Madry et al. 2018).
 
-One machine (every local GPU or TPU chip)::
-
-    python experiments/mnist.py --model my_model.py:model --data-dir ~/tensorflow_datasets \
-        --checkpoint-dir ckpt --out report
-
-Every worker of a TPU pod slice: the same command with ``--distributed``, and
-``--checkpoint-dir`` / ``--out`` on a file system all workers share (``experiments/README.md``).
-Any ``jaxbundle evaluate`` flag may follow; given again, it overrides these defaults.
+See ``_evaluate.py`` and ``experiments/README.md`` for how to run it.
 """
 
 import sys
