@@ -20,6 +20,7 @@ from typing import Sequence
 from rich.console import Console
 from rich.table import Table
 
+from jaxbundle import suites
 from jaxbundle.presets import PRESETS
 from jaxbundle.suites import ATTACKS, BUNDLES, bundle_attacks
 
@@ -144,9 +145,10 @@ def _parser() -> argparse.ArgumentParser:
         "require the grid (grid); or judge everything in float32 (float)",
     )
     threat.add_argument(
-        "--schedule", choices=("full", "cascade"), default="full",
+        "--schedule", choices=("full", "cascade"), default=None,
         help="full: every attack on every example (the many-attack table); cascade: each "
-        "attack only on the examples not yet fooled (prioritisation, far cheaper)",
+        "attack only on the examples not yet fooled (prioritisation, far cheaper); default: "
+        "the bundle's own (cascade for autoattack), else full",
     )
     threat.add_argument(
         "--threshold", type=_positive_float, default=None,
@@ -267,6 +269,9 @@ def _evaluate(args: argparse.Namespace, console: Console) -> None:
         for s in args.surrogate
     ]
     attack_list = build_attacks(args)
+    schedule = args.schedule or (
+        "full" if args.attacks else suites.BUNDLE_SCHEDULES.get(args.bundle, "full")
+    )
     config = {
         "threat_model": preset, "bundle": None if args.attacks else args.bundle,
         "steps": args.steps, "restarts": args.restarts, "step_size": args.step_size,
@@ -275,7 +280,7 @@ def _evaluate(args: argparse.Namespace, console: Console) -> None:
         refs, source, attack_list, out=args.out, eps=eps, norm=norm, seed=args.seed,
         batch_size=args.batch_size, judging=args.judging, shifts=not args.no_shifts,
         checkpoint_dir=args.checkpoint_dir, save_images=args.save_images,
-        best_effort=args.best_effort, surrogates=surrogates, schedule=args.schedule,
+        best_effort=args.best_effort, surrogates=surrogates, schedule=schedule,
         threshold=args.threshold, budget=args.budget, config=config, console=console,
         show_progress=not args.no_progress,
     )

@@ -265,6 +265,9 @@ def _cascade_metrics(metrics, per_example, attacks, stages, goal, threshold, bud
     }
     if not white_first:
         out.update(white_box_robust_accuracy=None, black_box_only=None)
+    # A kind's P(D) would count only the examples its stages saw: keep the bundled curve.
+    for key in ("half_distortion", "operating_characteristic"):
+        out[key] = {k: v for k, v in metrics[key].items() if k in ("grid", "bundled")}
     return out
 
 

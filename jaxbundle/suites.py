@@ -19,6 +19,11 @@ candidate per example:
     has white-box and black-box robust accuracy, P(D) curves and D1/2.
 ``black-box``
     RayS (Linf) or SurFree (L2) with 5,000 queries.
+``autoattack``
+    AutoAttack's standard version (Croce & Hein 2020) with its original parameters: APGD-CE
+    (100 steps), APGD-T (9 targets x 100), FAB-T (9 targets x 100) and Square (5,000 queries,
+    p_init 0.8, the schedule not rescaled), run as AutoAttack runs it, each attack only on the
+    examples the earlier ones did not fool (:data:`BUNDLE_SCHEDULES`: ``cascade``).
 ``min-norm``
     The white-box minimum-norm attacks for the success-vs-distortion curve (L2: FMN, BP, CW,
     DeepFool; Linf: FMN, DeepFool).
@@ -35,7 +40,7 @@ from jaxbundle import attacks as attacks_lib
 from jaxbundle import norms
 from jaxbundle.attacks.base import Attack
 
-__all__ = ["ATTACKS", "BUNDLES", "attack", "bundle_attacks"]
+__all__ = ["ATTACKS", "BUNDLES", "BUNDLE_SCHEDULES", "attack", "bundle_attacks"]
 
 
 def _pgd(loss: str) -> Callable[..., Attack]:
@@ -80,12 +85,21 @@ ATTACKS: dict[str, Callable[..., Attack]] = {
     "fmn": _min_norm(attacks_lib.fmn),
     "cw-l2": _min_norm(attacks_lib.cw, takes_norm=False),
     "deepfool": _min_norm(attacks_lib.deepfool),
+    "fab-t": lambda norm, steps=None, restarts=None, step_size=None: attacks_lib.fab(
+        norm, steps=steps or 100
+    ),
     "spsa": lambda norm, steps=None, restarts=None, step_size=None: attacks_lib.spsa(
         norm, steps=steps or 100
     ),
     # Black-box budgets are queries; --steps does not change them.
     "square": lambda norm, steps=None, restarts=None, step_size=None, queries=5000: (
         attacks_lib.square(norm, queries=queries)
+    ),
+    # AutoAttack's Square: p_init 0.8 in both norms, the p schedule as written for 10,000.
+    "square-aa": lambda norm, steps=None, restarts=None, step_size=None, queries=5000: (
+        attacks_lib.square(
+            norm, queries=queries, p_init=0.8, rescale_schedule=False, name="square-aa"
+        )
     ),
     "rays": lambda norm, steps=None, restarts=None, step_size=None, queries=5000: _rays(norm, queries),
     "surfree": lambda norm, steps=None, restarts=None, step_size=None, queries=5000: _surfree(
@@ -123,6 +137,12 @@ BUNDLES: dict[str, tuple[tuple[str, tuple[str, ...] | None, dict[str, Any]], ...
         ("rays", ("linf",), {"queries": 1000}),
         ("surfree", ("l2",), {"queries": 1000}),
     ),
+    "autoattack": (
+        ("apgd-ce", None, {}),
+        ("apgd-t", None, {}),
+        ("fab-t", None, {}),
+        ("square-aa", None, {"queries": 5000}),
+    ),
     "black-box": (
         ("square", None, {}),
         ("rays", ("linf",), {}),
@@ -135,6 +155,10 @@ BUNDLES: dict[str, tuple[tuple[str, tuple[str, ...] | None, dict[str, Any]], ...
         ("deepfool", None, {}),
     ),
 }
+
+
+# The schedule a bundle is meant to run under when the user does not choose one.
+BUNDLE_SCHEDULES: dict[str, str] = {"autoattack": "cascade"}
 
 
 def attack(

@@ -65,3 +65,19 @@ def test_catalogue_lists_every_attack_family_with_its_goal():
     for name in ("bp", "cw-l2", "fmn", "deepfool"):
         assert names[name].goal == "min_norm"
     assert all(info.paper and info.kind in attacks.base.KINDS for info in attacks.CATALOGUE)
+
+
+def test_autoattack_bundle_has_autoattacks_original_parameters():
+    """AutoAttack's standard version: APGD-CE 100, APGD-T 9 x 100, FAB-T 9 x 100, Square 5,000
+    queries with p_init 0.8 and the schedule not rescaled; run as a survivors-only cascade."""
+    for norm in ("linf", "l2"):
+        aa = {a.name: a for a in suites.bundle_attacks("autoattack", norm)}
+        assert list(aa) == ["apgd-ce", "apgd-t", "fab-t", "square-aa"]
+        assert aa["apgd-ce"].num_steps == 100 and aa["apgd-ce"].num_restarts == 1
+        assert aa["apgd-t"].num_restarts == 9 and aa["apgd-t"].num_steps == 100
+        fab = aa["fab-t"]
+        assert fab.num_restarts == 9 and fab.num_steps == 100 and fab.goal == "min_norm"
+        sq = aa["square-aa"]
+        assert sq.queries == 5000 and sq.config.p_init == 0.8
+        assert sq.config.rescale_schedule is False
+    assert suites.BUNDLE_SCHEDULES["autoattack"] == "cascade"

@@ -13,6 +13,7 @@ from jaxbundle.attacks.bp import bp
 from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel, per_example_keys
 from jaxbundle.attacks.cw import cw
 from jaxbundle.attacks.deepfool import deepfool
+from jaxbundle.attacks.fab import fab
 from jaxbundle.attacks.fgsm import fgsm
 from jaxbundle.attacks.fmn import fmn
 from jaxbundle.attacks.pgd import pgd
@@ -32,6 +33,7 @@ __all__ = [
     "bp",
     "cw",
     "deepfool",
+    "fab",
     "fmn",
     "spsa",
     "square",
@@ -103,6 +105,14 @@ CATALOGUE: tuple[AttackInfo, ...] = (
         "min_norm",
         "Moosavi-Dezfooli, Fawzi & Frossard 2016, DeepFool: a simple and accurate method to "
         "fool deep neural networks",
+    ),
+    AttackInfo(
+        "fab",
+        ("linf", "l2"),
+        "white-box",
+        "min_norm",
+        "Croce & Hein 2020, Minimally distorted Adversarial Examples with a Fast Adaptive "
+        "Boundary Attack (FAB; FAB-T, its targeted version in AutoAttack)",
     ),
     AttackInfo(
         "spsa",
