@@ -249,9 +249,6 @@ def _evaluate(args: argparse.Namespace, console: Console) -> None:
     from jaxbundle import data, job, models, presets
 
     job.start_distributed(args.distributed, args.coordinator, args.num_processes, args.process_id)
-    cache = args.cache_dir or str(models.default_cache_dir())
-    if not args.no_compile_cache:
-        job.enable_compilation_cache(os.path.join(cache, "xla"))
     source = data.open_source(
         args.data, data_dir=args.data_dir, download=args.download, image_size=args.image_size
     )
@@ -276,14 +273,16 @@ def _evaluate(args: argparse.Namespace, console: Console) -> None:
         "threat_model": preset, "bundle": None if args.attacks else args.bundle,
         "steps": args.steps, "restarts": args.restarts, "step_size": args.step_size,
     }
-    path, _ = job.run_job(
-        refs, source, attack_list, out=args.out, eps=eps, norm=norm, seed=args.seed,
-        batch_size=args.batch_size, judging=args.judging, shifts=not args.no_shifts,
-        checkpoint_dir=args.checkpoint_dir, save_images=args.save_images,
-        best_effort=args.best_effort, surrogates=surrogates, schedule=schedule,
-        threshold=args.threshold, budget=args.budget, config=config, console=console,
-        show_progress=not args.no_progress,
-    )
+    cache = args.cache_dir or str(models.default_cache_dir())
+    with job.compilation_cache(None if args.no_compile_cache else os.path.join(cache, "xla")):
+        path, _ = job.run_job(
+            refs, source, attack_list, out=args.out, eps=eps, norm=norm, seed=args.seed,
+            batch_size=args.batch_size, judging=args.judging, shifts=not args.no_shifts,
+            checkpoint_dir=args.checkpoint_dir, save_images=args.save_images,
+            best_effort=args.best_effort, surrogates=surrogates, schedule=schedule,
+            threshold=args.threshold, budget=args.budget, config=config, console=console,
+            show_progress=not args.no_progress,
+        )
     if path is not None:
         console.print(f"report written to {path} (and report.md, figures)")
 

@@ -11,15 +11,16 @@
 3. measures the natural shifts on the first examples, and, if asked, RoBIC's best-effort
    distortions and the transfer from surrogate models;
 
-then prints the tables and writes the report (process 0 only). :func:`enable_compilation_cache`
-keeps compiled programs on disk so that the same command run again does not compile again.
+then prints the tables and writes the report (process 0 only). :func:`compilation_cache` keeps
+compiled programs on disk so that the same command run again does not compile again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import jax
 import numpy as np
@@ -33,7 +34,7 @@ from jaxbundle.evaluate import Evaluation, evaluate_source
 __all__ = [
     "ModelRef",
     "demo_model",
-    "enable_compilation_cache",
+    "compilation_cache",
     "run_job",
     "start_distributed",
     "user_model",
@@ -108,15 +109,31 @@ def start_distributed(
     )
 
 
-def enable_compilation_cache(directory: str | os.PathLike) -> str:
-    """JAX's persistent compilation cache in ``directory``: programs compiled once are read
-    back by every later run with the same shapes, code and JAX version."""
+@contextlib.contextmanager
+def compilation_cache(directory: str | os.PathLike | None) -> Iterator[None]:
+    """JAX's persistent compilation cache in ``directory`` while the block runs (``None``: no
+    change): programs compiled once are read back by every later run with the same shapes,
+    code and JAX version. The previous settings are restored afterwards, so a command run
+    inside another program (a test, a notebook) leaves its JAX configuration as it was."""
+    if directory is None:
+        yield
+        return
+    from jax._src import compilation_cache as cache_lib
+
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", directory)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    return directory
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+             "jax_persistent_cache_min_entry_size_bytes")
+    previous = {name: getattr(jax.config, name) for name in names}
+    for name, value in zip(names, (directory, 0.0, 0)):
+        jax.config.update(name, value)
+    cache_lib.reset_cache()
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            jax.config.update(name, value)
+        cache_lib.reset_cache()
 
 
 def _in_memory(source: data_lib.Source, n: int) -> tuple[np.ndarray, np.ndarray]:
