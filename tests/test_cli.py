@@ -155,26 +155,3 @@ def test_evaluate_end_to_end(tmp_path):
     assert report3["config"]["bundle"] == "fast"
     assert set(report3["models"]["adversarial"]["mat"]) == {"apgd-ce", "apgd-t"}
 
-
-def test_a_command_run_in_process_leaves_jax_configured_as_it_was(tmp_path, monkeypatch):
-    """The CLI keeps compiled programs in CACHE_DIR/xla while it runs, and restores JAX's
-    compilation-cache settings afterwards (a test or notebook calling main() is unaffected)."""
-    import jax
-
-    (tmp_path / "lin.py").write_text(
-        "import jax.numpy as jnp\n"
-        "def model():\n"
-        "    w = jnp.linspace(-1, 1, 16 * 3).reshape(16, 3)\n"
-        "    return (lambda p, x: x.reshape(x.shape[0], -1) @ p), w\n"
-    )
-    rng = np.random.default_rng(0)
-    np.savez(tmp_path / "d.npz", x=rng.integers(0, 256, (8, 4, 4, 1), dtype=np.uint8),
-             y=rng.integers(0, 3, 8))
-    monkeypatch.chdir(tmp_path)
-    before = jax.config.jax_compilation_cache_dir
-    code = main(["evaluate", "--model", "lin.py:model", "--data", "npz:d.npz", "--eps", "0.1",
-                 "--attacks", "fgsm", "--no-shifts", "--no-progress", "--out", "r",
-                 "--cache-dir", str(tmp_path / "cache")])
-    assert code == 0
-    assert os.listdir(tmp_path / "cache" / "xla")  # the run used the cache ...
-    assert jax.config.jax_compilation_cache_dir == before  # ... and put the setting back
