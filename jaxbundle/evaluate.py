@@ -468,7 +468,7 @@ def evaluate_source(
         mesh = default_mesh()
     if mesh is None:
         batch_size = min(batch_size, n)
-    fingerprint_ = fingerprint(
+    fingerprint_ = None if checkpoint_dir is None else fingerprint(  # hashes params and data
         attacks=[describe(a) for a in attacks], eps=eps_value, norm=norm,
         goals=list(goal_names), seed=seed, batch_size=batch_size, judging=judging,
         schedule=[schedule, schedule_goal, threshold, budget] if schedule != "full" else "full",
