@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import os
 
 import jax
+import pytest
 from hypothesis import HealthCheck, settings
 
 # Implicit rank promotion hides shape bugs ([B] against [B, 1] silently becomes [B, B]).
@@ -26,3 +28,15 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: end-to-end tests (deselect with -m 'not slow')")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop every compiled program after each test module. Each XLA:CPU executable holds a few
+    memory mappings of JIT code; the whole suite in one process compiles thousands of them,
+    and at the kernel's ``vm.max_map_count`` (65,530 by default) LLVM's next mapping fails and
+    the process segfaults inside ``backend_compile_and_load``. Cleared per module, the count
+    stays flat."""
+    yield
+    jax.clear_caches()
+    gc.collect()
