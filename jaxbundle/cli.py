@@ -64,6 +64,17 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _focus(text: str) -> tuple[str, float]:
+    name, sep, fraction = text.partition("=")
+    try:
+        value = float(fraction)
+    except ValueError:
+        value = float("nan")
+    if not sep or not name.strip() or not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected ATTACK=FRACTION with 0 < FRACTION <= 1, got {text!r}")
+    return name.strip(), value
+
+
 def _csv(text: str) -> list[str]:
     items = [t.strip() for t in text.split(",") if t.strip()]
     if not items:
@@ -158,6 +169,11 @@ def _parser() -> argparse.ArgumentParser:
     threat.add_argument(
         "--budget", type=_positive_float, default=None,
         help="cascade: model passes per example on average; least-run examples first",
+    )
+    threat.add_argument(
+        "--focus", type=_focus, action="append", default=[], metavar="ATTACK=FRACTION",
+        help="cascade: run ATTACK only on that fraction of the survivors, the most promising "
+        "(closest to the goal) first; repeatable; default: the bundle's own",
     )
     threat.add_argument(
         "--best-effort", action="store_true",
@@ -269,6 +285,15 @@ def _evaluate(args: argparse.Namespace, console: Console) -> None:
     schedule = args.schedule or (
         "full" if args.attacks else suites.BUNDLE_SCHEDULES.get(args.bundle, "full")
     )
+    focus = {} if args.attacks else dict(suites.BUNDLE_FOCUS.get(args.bundle, {}))
+    focus.update(dict(args.focus))
+    if schedule != "cascade":
+        if args.focus:
+            raise ValueError("--focus needs the cascade schedule (--schedule cascade)")
+        focus = {}
+    from jaxbundle.schedule import check_focus
+
+    check_focus(focus, attack_list, "misclassify" if args.threshold is None else "max_confidence")
     config = {
         "threat_model": preset, "bundle": None if args.attacks else args.bundle,
         "steps": args.steps, "restarts": args.restarts, "step_size": args.step_size,
@@ -280,7 +305,8 @@ def _evaluate(args: argparse.Namespace, console: Console) -> None:
             batch_size=args.batch_size, judging=args.judging, shifts=not args.no_shifts,
             checkpoint_dir=args.checkpoint_dir, save_images=args.save_images,
             best_effort=args.best_effort, surrogates=surrogates, schedule=schedule,
-            threshold=args.threshold, budget=args.budget, config=config, console=console,
+            threshold=args.threshold, budget=args.budget, focus=focus, config=config,
+            console=console,
             show_progress=not args.no_progress,
         )
     if path is not None:

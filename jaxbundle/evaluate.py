@@ -239,7 +239,8 @@ def fingerprint(**config: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def _cascade_metrics(metrics, per_example, attacks, stages, goal, threshold, budget) -> dict:
+def _cascade_metrics(metrics, per_example, attacks, stages, goal, threshold, budget,
+                     focus) -> dict:
     """What a cascade reports instead of the many-attack table: each stage's attack, the
     examples it ran on, what it spent, and the robust accuracy after it."""
     ok = per_example["clean_prediction"] == per_example["label"]
@@ -257,7 +258,7 @@ def _cascade_metrics(metrics, per_example, attacks, stages, goal, threshold, bud
     white_first = not any(b and not c for b, c in zip(black, black[1:]))  # no white after black
     out = {
         "schedule": {"mode": "cascade", "goal": goal, "threshold": threshold, "budget": budget,
-                     "stages": rows},
+                     "focus": dict(focus or {}), "stages": rows},
         # Attack k saw only the survivors of attacks 1..k-1: no many-attack table.
         "mat": {}, "wat": None, "wat_attack": None, "black_box_robust_accuracy": None,
         "gradients_per_example": float(np.mean(per_example["gradients"])),
@@ -409,6 +410,7 @@ def evaluate_source(
     schedule_goal: str = "misclassify",
     threshold: float | None = None,
     budget: float | None = None,
+    focus: dict[str, float] | None = None,
     progress: Callable[[int, int], None] | None = None,
 ) -> Evaluation:
     """Evaluates a model under a bundle of attacks on a dataset read batch by batch.
@@ -442,8 +444,9 @@ def evaluate_source(
         ``"cascade"`` (each attack only on the examples whose ``schedule_goal`` is not yet
         satisfied, see :mod:`jaxbundle.schedule`; the metrics' ``schedule`` entry gives the
         robust accuracy after each stage and what each stage spent, and there is no MAT).
-      schedule_goal, threshold, budget: the cascade's goal, the defender's confidence
-        threshold t (for ``max_confidence``) and its budget (model passes per example).
+      schedule_goal, threshold, budget, focus: the cascade's goal, the defender's confidence
+        threshold t (for ``max_confidence``), its budget (model passes per example) and the
+        attacks it runs only on the most promising survivors (name -> fraction).
       progress: called as ``progress(batches_done, batches_total)``.
 
     Returns:
@@ -458,6 +461,9 @@ def evaluate_source(
         raise ValueError(f"schedule must be one of {schedule_lib.SCHEDULES}, got {schedule!r}")
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+    if focus and schedule != "cascade":
+        raise ValueError("focus drops survivors between stages: it needs schedule='cascade'")
+    focus = schedule_lib.check_focus(focus, attacks, schedule_goal)
     n = len(source)
     if n == 0:
         raise ValueError(f"the dataset {source.name} is empty")
@@ -471,7 +477,8 @@ def evaluate_source(
     fingerprint_ = None if checkpoint_dir is None else fingerprint(  # hashes params and data
         attacks=[describe(a) for a in attacks], eps=eps_value, norm=norm,
         goals=list(goal_names), seed=seed, batch_size=batch_size, judging=judging,
-        schedule=[schedule, schedule_goal, threshold, budget] if schedule != "full" else "full",
+        schedule=([schedule, schedule_goal, threshold, budget, sorted(focus.items())]
+                  if schedule != "full" else "full"),
         data=source.describe(), n=n, model=params_digest(params), images=keep_images,
         apply_fn=describe(apply_fn),
     )
@@ -539,7 +546,7 @@ def evaluate_source(
                 attacks, apply_fn, params, arrays[0], arrays[1], key, arrays[2],
                 jnp.float32(eps_value), norm=norm, goal_names=goal_names, judging=judging,
                 mask=real, goal=schedule_goal, threshold=threshold, budget=budget,
-                unroll=unroll, restart_mode=restart_mode, mesh=mesh,
+                focus=focus, unroll=unroll, restart_mode=restart_mode, mesh=mesh,
             )
             stage_counts = np.asarray([[s.examples, s.rows] for s in stages], np.int64)
             batch_counts, outputs = _summarise(
@@ -583,7 +590,8 @@ def evaluate_source(
     metrics["schedule"] = {"mode": schedule}
     if schedule == "cascade":
         metrics.update(_cascade_metrics(
-            metrics, per_example, attacks, state.stages, schedule_goal, threshold, budget
+            metrics, per_example, attacks, state.stages, schedule_goal, threshold, budget,
+            focus,
         ))
     ids, x_adv = state.gallery
     clean = [data_lib.to_unit_float(source.read(int(i), int(i) + 1)[0]) for i in ids]

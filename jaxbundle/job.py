@@ -234,6 +234,7 @@ def run_job(
     schedule: str = "full",
     threshold: float | None = None,
     budget: float | None = None,
+    focus: dict[str, float] | None = None,
     config: dict | None = None,
     console: Any = None,
     show_progress: bool = True,
@@ -257,6 +258,8 @@ def run_job(
         :func:`jaxbundle.evaluate.evaluate_source`); with ``threshold`` t the cascade drops an
         example once a wrong class reaches confidence t (max-confidence goal), else once it is
         misclassified; ``budget``: model passes per example for the cascade.
+      focus: attack name -> fraction: the cascade runs that attack only on the most promising
+        survivors (see :mod:`jaxbundle.schedule`).
       config: what the report's ``config`` records besides what this function knows.
       console: a ``rich`` console to print progress and the tables on (process 0).
       show_progress: progress bars on ``console``.
@@ -302,7 +305,7 @@ def run_job(
                 images_dir=os.path.join(out, "adversarial", ref.name) if save_images else None,
                 keep_images=getattr(source, "in_memory", False), schedule=schedule,
                 schedule_goal="misclassify" if threshold is None else "max_confidence",
-                threshold=threshold, budget=budget,
+                threshold=threshold, budget=budget, focus=focus,
             )
             metrics = evaluation.metrics
             metrics["model"] = ref.origin
@@ -335,7 +338,7 @@ def run_job(
         batch_size=batch_size, attacks=[a.name for a in attacks], models=names,
         model_origins={m.name: m.origin for m in models},
         surrogates={m.name: m.origin for m in surrogates}, best_effort=best_effort,
-        schedule=schedule, threshold=threshold, budget=budget,
+        schedule=schedule, threshold=threshold, budget=budget, focus=dict(focus or {}),
         processes=jax.process_count(), devices=jax.device_count(),
     )
     return write_report(out, record, results), results

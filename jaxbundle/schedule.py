@@ -22,6 +22,14 @@ cascade fools exactly the examples the full bundle fools (tested), at the cost o
 it ran. What it does not give is the many-attack table: attack ``k`` saw only the survivors of
 attacks ``1..k-1``. Its ``attack_success[k]`` is False where attack ``k`` did not run.
 
+With ``focus`` (attack name -> fraction), that attack runs only on the most promising part of
+the survivors, ``ceil(fraction * survivors)`` of them: those closest to the goal under the
+best candidates so far (misclassify: the largest margin ``max_{j != y} z_j - z_y``; max
+confidence: the highest wrong-class confidence). An expensive last stage, such as a black-box
+attack with thousands of queries, is then spent where it can still succeed; the others are
+discarded, so focus trades the exactness above for compute, and which survivors are kept
+depends on the batch they are ranked in.
+
 With ``budget`` (model passes per example, averaged over the batch), a stage that cannot be
 paid for every survivor runs on the survivors that have had the least compute so far (the
 paper's least-run-first rule), the others wait for the next stage.
@@ -44,7 +52,7 @@ from jaxbundle.attacks.base import Attack
 from jaxbundle.bundler import BestState, BundleResult, _bundle, candidate_state, fold
 from jaxbundle.judge import judged_on_grid
 
-__all__ = ["SCHEDULES", "Stage", "bucket_sizes", "cascade", "satisfied"]
+__all__ = ["SCHEDULES", "Stage", "bucket_sizes", "cascade", "check_focus", "promise", "satisfied"]
 
 SCHEDULES = ("full", "cascade")
 
@@ -94,19 +102,31 @@ def _start(params, x, y, eps, *, apply_fn, goal_names, norm, judging):
     return {g: clean for g in goal_names}, clean.score, eps, grid
 
 
-@functools.partial(jax.jit, static_argnames=("goal", "threshold"))
-def _satisfied(best, eps, goal, threshold):
-    return satisfied(best, eps, goal, threshold)
+def promise(best: dict[str, BestState], goal: str = "misclassify") -> jax.Array:
+    """Per example: how close its best candidate is to satisfying ``goal`` (larger is closer):
+    the margin for misclassify, the wrong-class confidence for max confidence."""
+    if goal == "misclassify":
+        return best["misclassify"].score.margin
+    if goal == "max_confidence":
+        return best["max_confidence"].score.confidence
+    raise ValueError(f"goal {goal!r} is never satisfied, so no survivor is more promising")
+
+
+@functools.partial(jax.jit, static_argnames=("goal", "threshold", "ranked"))
+def _status(best, eps, goal, threshold, ranked):
+    """Whether each example is satisfied and, if the stage is focused, its promise."""
+    done = satisfied(best, eps, goal, threshold)
+    return done, (promise(best, goal) if ranked else jnp.zeros(eps.shape, jnp.float32))
 
 
 def _host_reader(mesh) -> Callable[[jax.Array], np.ndarray]:
     """Reads a (possibly sharded) array on the host: replicated first under a mesh."""
     if mesh is None:
-        return np.asarray
+        return lambda a: jax.tree.map(np.asarray, a)
     from jax.sharding import NamedSharding, PartitionSpec
 
     replicate = jax.jit(lambda a: a, out_shardings=NamedSharding(mesh, PartitionSpec()))
-    return lambda a: np.asarray(replicate(a))
+    return lambda a: jax.tree.map(np.asarray, replicate(a))
 
 
 @jax.jit
@@ -129,6 +149,22 @@ def _put(a, rows, values):
     return a.at[rows].set(values)
 
 
+def check_focus(focus: dict[str, float] | None, attacks: Sequence[Attack], goal: str
+                ) -> dict[str, float]:
+    """``focus`` checked against the bundle's attack names and the cascade's goal."""
+    focus = dict(focus or {})
+    names = [a.name for a in attacks]
+    for name, fraction in focus.items():
+        if name not in names:
+            raise ValueError(f"focus names attack {name!r}, which is not in the bundle {names}")
+        if isinstance(fraction, bool) or not 0 < fraction <= 1:
+            raise ValueError(f"focus of {name!r} must be a fraction in (0, 1], got {fraction!r}")
+    if focus and goal == "min_norm":
+        raise ValueError("focus needs a goal that can be satisfied (misclassify or "
+                         "max_confidence), not min_norm")
+    return focus
+
+
 def cascade(
     attacks: Sequence[Attack],
     apply_fn: Callable[[Any, jax.Array], jax.Array],
@@ -146,6 +182,7 @@ def cascade(
     goal: str = "misclassify",
     threshold: float | None = None,
     budget: float | None = None,
+    focus: dict[str, float] | None = None,
     unroll: int | bool = 1,
     restart_mode: str = "vmap",
     mesh: Any = None,
@@ -160,6 +197,8 @@ def cascade(
       goal: the goal whose satisfaction drops an example (one of ``goal_names``).
       threshold: the defender's confidence threshold t, for ``goal="max_confidence"``.
       budget: model passes per example, on average over the real rows, for the whole cascade.
+      focus: attack name -> fraction in (0, 1]: that attack runs only on the most promising
+        ``ceil(fraction * survivors)`` survivors (:func:`promise`).
       mesh: the 1-D ``("batch",)`` mesh the batch is sharded over, if any: bucket sizes are
         multiples of its size, and the survivors' mask is replicated before it is read, so every
         process reads the same mask and runs the same programs.
@@ -174,6 +213,7 @@ def cascade(
         raise ValueError(f"the cascade's goal {goal!r} is not among the goals {goal_names}")
     if goal == "max_confidence" and not (threshold is not None and 0 < threshold <= 1):
         raise ValueError(f"goal max_confidence needs a threshold t in (0, 1], got {threshold}")
+    focus = check_focus(focus, attacks, goal)
     batch = int(y.shape[0])
     real = np.ones(batch, bool) if mask is None else np.asarray(mask, bool)
     eps = jnp.broadcast_to(jnp.asarray(eps, jnp.float32), y.shape)
@@ -190,8 +230,12 @@ def cascade(
     left = None if budget is None else float(budget) * int(real.sum())
     stages = []
     for k, attack in enumerate(attacks):
-        active = real & ~host(_satisfied(best, eps, goal, threshold))  # one sync
-        order = np.flatnonzero(active)
+        fraction = focus.get(attack.name)
+        done, closeness = host(_status(best, eps, goal, threshold, fraction is not None))  # 1 sync
+        order = np.flatnonzero(real & ~done)
+        if fraction is not None and order.size:
+            keep = int(np.ceil(fraction * order.size))
+            order = np.sort(order[np.argsort(-closeness[order], kind="stable")][:keep])
         cost = attack.gradients + attack.queries
         if left is not None and cost:
             affordable = int(max(left, 0) // cost)

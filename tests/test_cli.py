@@ -34,6 +34,8 @@ def test_attacks_lists_every_attack(capsys):
         (["evaluate", "--steps", "many"], "positive integer"),
         (["evaluate", "--attacks", ""], "comma-separated"),
         (["evaluate", "--bundle", "strong"], "invalid choice"),
+        (["evaluate", "--focus", "square-aa"], "ATTACK=FRACTION"),
+        (["evaluate", "--focus", "square-aa=1.5"], "ATTACK=FRACTION"),
     ],
 )
 def test_bad_flags_exit_2_with_a_message(argv, message, capsys):
@@ -52,6 +54,9 @@ def test_bad_flags_exit_2_with_a_message(argv, message, capsys):
         (["evaluate", "--n", "5000"], "2000"),
         (["evaluate", "--num-processes", "2", "--process-id", "2"], "process id must be in 0..1"),
         (["evaluate", "--process-id", "-1"], "process id must be in 0..N-1"),
+        (["evaluate", "--focus", "rays=0.5"], "not in the bundle"),
+        (["evaluate", "--focus", "square-aa=0.5", "--schedule", "full"], "needs the cascade"),
+        (["evaluate", "--bundle", "broad", "--focus", "fmn=0.5"], "needs the cascade"),
     ],
 )
 def test_bad_values_exit_2_with_a_message(argv, message, capsys, tmp_path):
@@ -71,7 +76,8 @@ def test_compare_of_a_missing_report_exits_2_naming_it(capsys):
 def test_evaluate_end_to_end(tmp_path):
     """The console entry point trains tiny models, attacks 24 images and writes the report."""
     out = tmp_path / "report"
-    cmd = [sys.executable, "-m", "jaxbundle", "evaluate", *TINY, "--out", str(out),
+    cmd = [sys.executable, "-m", "jaxbundle", "evaluate", *TINY, "--bundle", "broad",
+           "--out", str(out),
            "--cache-dir", str(tmp_path / "cache"), "--seed", "5"]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -82,7 +88,8 @@ def test_evaluate_end_to_end(tmp_path):
     report = json.loads((out / "report.json").read_text())
     assert report["schema_version"] == 1 and report["config"]["judging"] == "auto"
     default = ["fgsm", "pgd-ce", "pgd-margin", "fmn", "square", "rays"]
-    assert report["config"]["attacks"] == default and report["config"]["bundle"] == "default"
+    assert report["config"]["attacks"] == default and report["config"]["bundle"] == "broad"
+    assert report["config"]["schedule"] == "full"
     assert set(report["models"]) == {"standard", "adversarial"}
     for name, m in report["models"].items():
         for key in ("clean_accuracy", "robust_accuracy", "relative_robustness", "mat", "wat",
@@ -155,3 +162,29 @@ def test_evaluate_end_to_end(tmp_path):
     assert report3["config"]["bundle"] == "fast"
     assert set(report3["models"]["adversarial"]["mat"]) == {"apgd-ce", "apgd-t"}
 
+
+
+@pytest.mark.slow
+def test_default_bundle_runs_as_a_focused_cascade(tmp_path, capsys):
+    """The main job's default bundle: APGD-CE, APGD-T, then Square only on the most promising
+    8 % of the survivors, reported stage by stage."""
+    out = tmp_path / "report"
+    argv = ["evaluate", *TINY, "--models", "adversarial", "--no-shifts", "--no-compile-cache",
+            "--out", str(out), "--cache-dir", str(tmp_path / "cache")]
+    assert main(argv) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["config"]["bundle"] == "default" and report["config"]["schedule"] == "cascade"
+    assert report["config"]["focus"] == {"square-aa": 0.08}
+    m = report["models"]["adversarial"]
+    stages = m["schedule"]["stages"]
+    assert [s["attack"] for s in stages] == ["apgd-ce", "apgd-t", "square-aa"]
+    assert m["schedule"]["focus"] == {"square-aa": 0.08}
+    # Square ran on ceil(8 %) of the survivors of each batch of 16 (24 examples: 16 + 8).
+    with np.load(out / m["per_example"]) as pe:
+        ok = pe["clean_prediction"] == pe["label"]
+        before = ok & ~pe["attack_success"][:, :2].any(1)
+        expected = sum(int(np.ceil(0.08 * before[b:b + 16].sum())) for b in (0, 16))
+        assert stages[2]["examples"] == expected
+        assert (pe["queries"] > 0).sum() == expected
+    assert m["robust_accuracy"] == stages[-1]["robust_accuracy"]
+    assert "square-aa" in capsys.readouterr().out

@@ -75,6 +75,7 @@ def test_small_cnn_shapes_and_dtypes(num_classes):
     [
         (models.SmallCNN(num_classes=4, conv1=4, conv2=8, hidden=16, kernel=3), (2, 32, 32, 3), 4),
         (models.MLP(num_classes=7, hidden=(8, 8)), (3, 28, 28, 1), 7),
+        (models.LinenCNN(num_classes=5, conv1=4, conv2=8, hidden=16), (2, 32, 32, 3), 5),
     ],
 )
 def test_other_modules_and_image_sizes(module, shape, num_classes):
@@ -93,12 +94,32 @@ def test_model_for():
 
 
 def test_registry_and_defaults():
-    assert models.MODELS == {"standard": models.STANDARD, "adversarial": models.ADVERSARIAL}
+    assert models.MODELS == {"standard": models.STANDARD, "adversarial": models.ADVERSARIAL,
+                             "adversarial-linen": models.ADVERSARIAL_LINEN}
     assert not models.STANDARD.adversarial
     assert models.ADVERSARIAL.adversarial
     assert models.ADVERSARIAL.eps == pytest.approx(0.3)
     assert models.ADVERSARIAL.pgd_steps >= 1
     assert models.model_name(models.STANDARD) != models.model_name(models.ADVERSARIAL)
+    assert models.ADVERSARIAL_LINEN.adversarial and models.ADVERSARIAL_LINEN.seed != 0
+    assert models.model_name(models.ADVERSARIAL_LINEN) == "linen_cnn-adv"
+
+
+def test_linen_cnn_is_built_from_flax_nn_conv():
+    """The second demo model has the layers users' models have: flax's own nn.Conv, whose
+    numbers are those of a 'SAME' stride-2 lax convolution."""
+    module = models.model_for(models.ADVERSARIAL_LINEN)
+    x = jax.random.uniform(jax.random.PRNGKey(1), (2, 28, 28, 1))
+    params = module.init(jax.random.PRNGKey(0), x)
+    p = params["params"]
+    assert p["conv1"]["kernel"].shape == (3, 3, 1, 32) and p["conv2"]["kernel"].shape == (3, 3, 32, 64)
+    conv = jax.lax.conv_general_dilated(
+        x, p["conv1"]["kernel"], (2, 2), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
+    ) + p["conv1"]["bias"][None, None, None, :]
+    _, state = module.apply(params, x, capture_intermediates=True)
+    np.testing.assert_allclose(state["intermediates"]["conv1"]["__call__"][0], conv,
+                               rtol=1e-5, atol=1e-6)
+    assert module.apply(params, x).shape == (2, 10)
 
 
 # ----------------------------------------------------------------------------- training

@@ -3,6 +3,8 @@ compiles once per bucket size, follows the defender's threshold and the least-ru
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.monitoring
 import jax.numpy as jnp
@@ -214,3 +216,62 @@ def test_cascade_equals_full_on_trained_cnns(model):
     )
     stages = runs["cascade"].metrics["schedule"]["stages"]
     assert stages[-1]["examples"] < stages[0]["examples"]
+
+
+def test_focus_spends_a_stage_on_the_most_promising_survivors_only():
+    """With focus, attack k runs on the ceil(f * survivors) survivors of largest margin under
+    the earlier stages' bests, with the same per-example result as in the full bundle."""
+    params, x, y, eps = _problem(n=48, seed=3)  # pgd fools 17 that fgsm does not
+    atts = (attacks_lib.fgsm(), attacks_lib.pgd(steps=5, restarts=2).rename("pgd"))
+    goals = goals_for(("misclassify",), atts)
+    ids = jnp.arange(len(y), dtype=jnp.int32)
+    kw = dict(norm="linf", goal_names=goals)
+    full = bundle(atts, linear_apply, params, x, y, KEY, eps=eps, norm="linf", goals=goals,
+                  example_id=ids)
+    first, _ = cascade(atts[:1], linear_apply, params, x, y, KEY, ids, eps, **kw)
+    margin = np.asarray(first.best["misclassify"].score.margin)
+    survivors = np.flatnonzero(~np.asarray(
+        goals_lib.success("misclassify", first.best["misclassify"].score, eps)))
+    keep = int(np.ceil(0.3 * survivors.size))
+    assert 1 < keep < survivors.size
+    chosen = survivors[np.argsort(-margin[survivors], kind="stable")[:keep]]
+    res, stages = cascade(atts, linear_apply, params, x, y, KEY, ids, eps, focus={"pgd": 0.3},
+                          **kw)
+    assert stages[1].examples == keep
+    ran = np.zeros(len(y), bool)
+    ran[chosen] = True
+    np.testing.assert_array_equal(np.asarray(res.attack_success[1])[ran],
+                                  np.asarray(full.attack_success[1])[ran])
+    assert not np.asarray(res.attack_success[1])[~ran].any()
+    np.testing.assert_array_equal(np.asarray(res.gradients)[ran], atts[0].gradients
+                                  + atts[1].gradients)
+    # What the focused cascade fools, the full bundle fools (discarding only loses).
+    fooled = np.asarray(goals_lib.success("misclassify", res.best["misclassify"].score, eps))
+    fooled_full = np.asarray(goals_lib.success("misclassify", full.best["misclassify"].score, eps))
+    assert not (fooled & ~fooled_full).any()
+    gained = fooled.sum() - (len(y) - survivors.size)
+    assert 0 < gained <= keep < fooled_full.sum() - (len(y) - survivors.size)
+
+
+@pytest.mark.parametrize(
+    "focus, goal, message",
+    [
+        ({"pgd-x": 0.5}, "misclassify", "not in the bundle"),
+        ({"fgsm": 0.0}, "misclassify", "fraction in (0, 1]"),
+        ({"fgsm": 1.5}, "misclassify", "fraction in (0, 1]"),
+        ({"fgsm": True}, "misclassify", "fraction in (0, 1]"),
+        ({"fgsm": 0.5}, "min_norm", "not min_norm"),
+    ],
+)
+def test_bad_focus_is_one_clear_error(focus, goal, message):
+    from jaxbundle.schedule import check_focus
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_focus(focus, (attacks_lib.fgsm(),), goal)
+
+
+def test_focus_needs_the_cascade():
+    params, x, y, eps = _problem(n=8)
+    with pytest.raises(ValueError, match="needs schedule='cascade'"):
+        evaluate(linear_apply, params, x, y, (attacks_lib.fgsm(),), eps=eps, mesh=None,
+                 goals=("misclassify",), focus={"fgsm": 0.5})

@@ -81,3 +81,25 @@ def test_autoattack_bundle_has_autoattacks_original_parameters():
         assert sq.queries == 5000 and sq.config.p_init == 0.8
         assert sq.config.rescale_schedule is False
     assert suites.BUNDLE_SCHEDULES["autoattack"] == "cascade"
+
+
+def test_default_bundle_is_a_focused_cascade_within_a_tenth_of_autoattacks_budget():
+    """The main job's default: APGD-CE 20, APGD-T 3 x 50, AutoAttack's Square on the 8 % most
+    promising survivors; on an example no attack fools it spends under a tenth of what
+    AutoAttack spends (model passes: a gradient is a forward and a backward)."""
+    for norm in ("linf", "l2"):
+        d = {a.name: a for a in suites.bundle_attacks("default", norm)}
+        assert list(d) == ["apgd-ce", "apgd-t", "square-aa"]
+        assert d["apgd-ce"].num_steps == 20 and d["apgd-t"].num_restarts == 3
+        assert d["apgd-t"].num_steps == 50 and d["square-aa"].kind == "score-based"
+        aa = suites.bundle_attacks("autoattack", norm)
+        focus = suites.BUNDLE_FOCUS["default"]
+        assert set(focus) <= set(d)
+
+        def passes(attack):
+            return 2 * attack.gradients + attack.queries
+
+        mine = sum(passes(a) * focus.get(a.name, 1.0) for a in d.values())
+        assert mine < sum(passes(a) for a in aa) / 10
+    assert suites.BUNDLE_SCHEDULES["default"] == "cascade"
+    assert "fmn" in {a.name for a in suites.bundle_attacks("broad", "linf")}

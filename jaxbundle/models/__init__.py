@@ -16,7 +16,14 @@ Evaluation code only needs ``apply_fn(params, x) -> logits``::
     logits = apply_fn(params, x)  # x: float32 [B, 28, 28, 1] in [0, 1]
 """
 
-from jaxbundle.models.architectures import ARCHITECTURES, MLP, SmallCNN, model_for, model_name
+from jaxbundle.models.architectures import (
+    ARCHITECTURES,
+    MLP,
+    LinenCNN,
+    SmallCNN,
+    model_for,
+    model_name,
+)
 from jaxbundle.models.cache import (
     CODE_VERSION,
     MODELS,
@@ -29,6 +36,7 @@ from jaxbundle.models.layers import Conv, conv_same
 from jaxbundle.models.loading import LoadedModel, ModelSpec, check_model, load_model, parse_spec
 from jaxbundle.models.training import (
     ADVERSARIAL,
+    ADVERSARIAL_LINEN,
     STANDARD,
     TrainConfig,
     accuracy,
@@ -46,11 +54,13 @@ __all__ = [
     "Conv",
     "conv_same",
     "SmallCNN",
+    "LinenCNN",
     "MLP",
     "ARCHITECTURES",
     "TrainConfig",
     "STANDARD",
     "ADVERSARIAL",
+    "ADVERSARIAL_LINEN",
     "MODELS",
     "model_for",
     "model_name",

@@ -19,6 +19,7 @@ from jaxbundle import files
 from jaxbundle.models.architectures import ApplyFn, Params, model_for, model_name
 from jaxbundle.models.training import (
     ADVERSARIAL,
+    ADVERSARIAL_LINEN,
     STANDARD,
     Progress,
     TrainConfig,
@@ -41,7 +42,11 @@ __all__ = [
 CODE_VERSION = 2
 
 # The demo models by name (the CLI's ``--models``).
-MODELS: dict[str, TrainConfig] = {"standard": STANDARD, "adversarial": ADVERSARIAL}
+MODELS: dict[str, TrainConfig] = {
+    "standard": STANDARD,
+    "adversarial": ADVERSARIAL,
+    "adversarial-linen": ADVERSARIAL_LINEN,
+}
 
 
 def default_cache_dir() -> pathlib.Path:

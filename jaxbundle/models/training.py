@@ -23,7 +23,7 @@ import optax
 from jaxbundle import losses, norms
 from jaxbundle.models.architectures import ApplyFn, Params, model_for
 
-__all__ = ["ADVERSARIAL", "STANDARD", "TrainConfig", "accuracy", "pgd_linf", "train"]
+__all__ = ["ADVERSARIAL", "ADVERSARIAL_LINEN", "STANDARD", "TrainConfig", "accuracy", "pgd_linf", "train"]
 
 Progress = Callable[[int, int], None]
 
@@ -81,6 +81,8 @@ ADVERSARIAL = TrainConfig(
     pgd_step_size=0.2,
     eps_warmup=0.3,
 )
+# The second benchmark model: flax nn.Conv layers, another seed, the same adversarial recipe.
+ADVERSARIAL_LINEN = ADVERSARIAL._replace(arch="linen_cnn", seed=1)
 
 def pgd_linf(
     apply_fn: ApplyFn,
