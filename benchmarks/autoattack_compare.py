@@ -269,6 +269,28 @@ def compare(model_name, eps_values, bundles, once, n, rounds, log) -> dict:
     return out
 
 
+def markdown(results: dict) -> str:
+    """The results as the table of benchmarks/README.md."""
+    lines = ["| model | eps | AutoAttack: robust %, passes/ex, s | bundle | robust % | "
+             "passes/ex (ratio) | cold s, warm s (ratio cold) | disagree (here robust / AA "
+             "robust) |", "|---|---|---|---|---|---|---|---|"]
+    for model, m in results["models"].items():
+        for eps, row in m["eps"].items():
+            aa = row["autoattack"]
+            for name, e in row.items():
+                if name == "autoattack":
+                    continue
+                lines.append(
+                    f"| {model} | {round(float(eps) * 255)}/255 | {aa['robust_accuracy']:.1f}, "
+                    f"{aa['passes_per_example']:.0f}, {aa['seconds']:.0f} | `{name}` | "
+                    f"{e['robust_accuracy']:.1f} | {e['passes_per_example']:.0f} "
+                    f"({e['cost_ratio']['passes']:.3f}) | {e['seconds_cold']:.1f}, "
+                    f"{e['seconds_warm']:.1f} ({e['cost_ratio']['seconds_cold']:.3f}) | "
+                    f"{e['robust_here_fooled_by_autoattack']} / "
+                    f"{e['fooled_here_robust_under_autoattack']} |")
+    return "\n".join(lines)
+
+
 def _names(text: str) -> list[str]:
     return [t for t in text.split(",") if t]
 
@@ -287,7 +309,13 @@ def main(argv=None) -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=None)
+    parser.add_argument("--table", default=None, metavar="JSON",
+                        help="print the markdown table of a results file and exit")
     args = parser.parse_args(argv)
+    if args.table:
+        with open(args.table) as f:
+            print(markdown(json.load(f)))
+        return
 
     import torch
 

@@ -10,7 +10,7 @@ attacks of a bundle one stage at a time on one batch:
    ``min_norm`` is never satisfied (a smaller distortion is always better), so every example
    stays. The other goals tracked are folded wherever an attack runs;
 2. the survivors are compacted into the smallest of a few fixed bucket sizes (``batch``,
-   ``batch / 4``, ``batch / 16``, ...; padded by repeating the last survivor), so each attack
+   ``batch / 2``, ``batch / 4``, ...; padded by repeating the last survivor), so each attack
    compiles at most once per bucket size, never per batch;
 3. stage ``k`` is :func:`jaxbundle.bundler.bundle` with attack ``k`` alone, under the same
    per-example keys as in the full bundle (``fold_in(fold_in(key, example_id), k)``), and its
@@ -23,7 +23,8 @@ it ran. What it does not give is the many-attack table: attack ``k`` saw only th
 attacks ``1..k-1``. Its ``attack_success[k]`` is False where attack ``k`` did not run.
 
 With ``focus`` (attack name -> fraction), that attack runs only on the most promising part of
-the survivors, ``ceil(fraction * survivors)`` of them: those closest to the goal under the
+the survivors, ``ceil(fraction * survivors)`` of them, rounded up to fill the bucket they run
+in (its padding rows would be computed anyway): those closest to the goal under the
 best candidates so far (misclassify: the largest margin ``max_{j != y} z_j - z_y``; max
 confidence: the highest wrong-class confidence). An expensive last stage, such as a black-box
 attack with thousands of queries, is then spent where it can still succeed; the others are
@@ -65,9 +66,11 @@ class Stage(NamedTuple):
     rows: int  # bucket rows computed (examples plus padding)
 
 
-def bucket_sizes(batch_size: int, multiple: int = 1, factor: int = 4) -> tuple[int, ...]:
+def bucket_sizes(batch_size: int, multiple: int = 1, factor: int = 2) -> tuple[int, ...]:
     """The compacted batch sizes a cascade may use, largest first: ``batch_size`` and its
-    successive quarters, each rounded up to a multiple of ``multiple`` (the device count)."""
+    successive halves (``factor``), each rounded up to a multiple of ``multiple`` (the device
+    count). Halves waste under half a bucket on padding, at one more compiled shape per
+    halving than quarters."""
     sizes = {batch_size}
     size = batch_size
     while size > multiple:
@@ -198,7 +201,7 @@ def cascade(
       threshold: the defender's confidence threshold t, for ``goal="max_confidence"``.
       budget: model passes per example, on average over the real rows, for the whole cascade.
       focus: attack name -> fraction in (0, 1]: that attack runs only on the most promising
-        ``ceil(fraction * survivors)`` survivors (:func:`promise`).
+        ``ceil(fraction * survivors)`` survivors (:func:`promise`), up to a full bucket.
       mesh: the 1-D ``("batch",)`` mesh the batch is sharded over, if any: bucket sizes are
         multiples of its size, and the survivors' mask is replicated before it is read, so every
         process reads the same mask and runs the same programs.
@@ -234,7 +237,8 @@ def cascade(
         done, closeness = host(_status(best, eps, goal, threshold, fraction is not None))  # 1 sync
         order = np.flatnonzero(real & ~done)
         if fraction is not None and order.size:
-            keep = int(np.ceil(fraction * order.size))
+            keep = min(s for s in sizes if s >= np.ceil(fraction * order.size))
+            keep = min(keep, order.size)  # fill the bucket rather than pad it
             order = np.sort(order[np.argsort(-closeness[order], kind="stable")][:keep])
         cost = attack.gradients + attack.queries
         if left is not None and cost:

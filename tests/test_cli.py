@@ -179,11 +179,14 @@ def test_default_bundle_runs_as_a_focused_cascade(tmp_path, capsys):
     stages = m["schedule"]["stages"]
     assert [s["attack"] for s in stages] == ["apgd-ce", "apgd-t", "square-aa"]
     assert m["schedule"]["focus"] == {"square-aa": 0.08}
-    # Square ran on ceil(8 %) of the survivors of each batch of 16 (24 examples: 16 + 8).
+    # Square ran on ceil(8 %) of the survivors of each batch of 16 (24 examples: 16 + 8), up
+    # to a full bucket (16, 8, 4, 2, 1).
     with np.load(out / m["per_example"]) as pe:
         ok = pe["clean_prediction"] == pe["label"]
         before = ok & ~pe["attack_success"][:, :2].any(1)
-        expected = sum(int(np.ceil(0.08 * before[b:b + 16].sum())) for b in (0, 16))
+        left = [int(before[b:b + 16].sum()) for b in (0, 16)]
+        expected = sum(min(n, min(s for s in (16, 8, 4, 2, 1) if s >= np.ceil(0.08 * n)))
+                       for n in left if n)
         assert stages[2]["examples"] == expected
         assert (pe["queries"] > 0).sum() == expected
     assert m["robust_accuracy"] == stages[-1]["robust_accuracy"]

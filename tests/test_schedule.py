@@ -99,9 +99,10 @@ def test_cascade_evaluation_equals_full_evaluation_per_example(batch_size):
 
 
 def test_bucket_sizes():
-    assert bucket_sizes(256) == (256, 64, 16, 4, 1)
-    assert bucket_sizes(250) == (250, 62, 15, 3, 1)
-    assert bucket_sizes(256, 8) == (256, 64, 16, 8)
+    assert bucket_sizes(256) == (256, 128, 64, 32, 16, 8, 4, 2, 1)
+    assert bucket_sizes(250) == (250, 125, 62, 31, 15, 7, 3, 1)
+    assert bucket_sizes(256, 8) == (256, 128, 64, 32, 16, 8)
+    assert bucket_sizes(256, factor=4) == (256, 64, 16, 4, 1)
     assert bucket_sizes(8, 8) == (8,)
     assert all(s % 4 == 0 for s in bucket_sizes(100, 4))
 
@@ -220,7 +221,8 @@ def test_cascade_equals_full_on_trained_cnns(model):
 
 def test_focus_spends_a_stage_on_the_most_promising_survivors_only():
     """With focus, attack k runs on the ceil(f * survivors) survivors of largest margin under
-    the earlier stages' bests, with the same per-example result as in the full bundle."""
+    the earlier stages' bests (up to a full bucket), with the same per-example result as in
+    the full bundle."""
     params, x, y, eps = _problem(n=48, seed=3)  # pgd fools 17 that fgsm does not
     atts = (attacks_lib.fgsm(), attacks_lib.pgd(steps=5, restarts=2).rename("pgd"))
     goals = goals_for(("misclassify",), atts)
@@ -232,10 +234,10 @@ def test_focus_spends_a_stage_on_the_most_promising_survivors_only():
     margin = np.asarray(first.best["misclassify"].score.margin)
     survivors = np.flatnonzero(~np.asarray(
         goals_lib.success("misclassify", first.best["misclassify"].score, eps)))
-    keep = int(np.ceil(0.3 * survivors.size))
-    assert 1 < keep < survivors.size
+    keep = min(s for s in bucket_sizes(len(y)) if s >= np.ceil(0.2 * survivors.size))
+    assert 1 < np.ceil(0.2 * survivors.size) < keep < survivors.size  # 9 -> a bucket of 12
     chosen = survivors[np.argsort(-margin[survivors], kind="stable")[:keep]]
-    res, stages = cascade(atts, linear_apply, params, x, y, KEY, ids, eps, focus={"pgd": 0.3},
+    res, stages = cascade(atts, linear_apply, params, x, y, KEY, ids, eps, focus={"pgd": 0.2},
                           **kw)
     assert stages[1].examples == keep
     ran = np.zeros(len(y), bool)
