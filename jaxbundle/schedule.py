@@ -81,6 +81,11 @@ def bucket_sizes(batch_size: int, multiple: int = 1, factor: int = 2) -> tuple[i
     return tuple(sorted(sizes, reverse=True))
 
 
+def _bucket(sizes: tuple[int, ...], rows: int) -> int:
+    """The smallest bucket size that holds ``rows`` rows."""
+    return min(s for s in sizes if s >= rows)
+
+
 def satisfied(
     best: dict[str, BestState], eps: jax.Array, goal: str = "misclassify",
     threshold: float | None = None,
@@ -237,8 +242,8 @@ def cascade(
         done, closeness = host(_status(best, eps, goal, threshold, fraction is not None))  # 1 sync
         order = np.flatnonzero(real & ~done)
         if fraction is not None and order.size:
-            keep = min(s for s in sizes if s >= np.ceil(fraction * order.size))
-            keep = min(keep, order.size)  # fill the bucket rather than pad it
+            # Fill the bucket that ceil(fraction * survivors) needs rather than pad it.
+            keep = min(_bucket(sizes, int(np.ceil(fraction * order.size))), order.size)
             order = np.sort(order[np.argsort(-closeness[order], kind="stable")][:keep])
         cost = attack.gradients + attack.queries
         if left is not None and cost:
@@ -248,7 +253,7 @@ def cascade(
         if order.size == 0:
             stages.append(Stage(k, 0, 0))
             continue
-        size = min(s for s in sizes if s >= order.size)
+        size = _bucket(sizes, order.size)
         rows = np.concatenate([order, np.full(size - order.size, order[-1])]).astype(np.int32)
         sub_x, sub_y, sub_id, sub_eps = _take((x, y, example_id, eps), rows)
         found = _bundle(

@@ -17,8 +17,7 @@ candidate per example:
     APGD-CE (20 steps), APGD-T (3 targets x 50 steps), then AutoAttack's Square (5,000
     queries, p_init 0.8), the score-based check against gradient masking, on the 8 % most
     promising survivors only (:data:`BUNDLE_FOCUS`: the smallest margins left by the white-box
-    stages). On the demo adversarial CNNs it matches AutoAttack's robust accuracy with under a
-    tenth of its model passes (benchmarks/README.md).
+    stages). How it compares with AutoAttack: benchmarks/README.md.
 ``broad``
     A many-attack table (run in full): the ``pgd`` bundle, FMN (100 steps, white-box minimum
     norm), Square (1,000 queries) and a decision-based minimum-norm attack with 1,000 queries
