@@ -32,6 +32,7 @@ from jaxbundle import goals as goals_lib
 from jaxbundle import norms
 from jaxbundle.attacks.base import KINDS, Attack, WhiteBoxModel, per_example_keys, threat_model
 from jaxbundle.judge import STRETCH, check_judging, judged_on_grid, verify
+from jaxbundle.models.layers import canonical_convolutions
 
 __all__ = [
     "BestState",
@@ -130,6 +131,12 @@ def _fold_leading_axis(
     return best
 
 
+def _fast_gradients(apply_fn: Callable[[Any, jax.Array], jax.Array]):
+    """On CPU, ``apply_fn`` with canonical-gradient convolutions (same numbers; XLA:CPU runs
+    JAX's own input-gradient convolution 4-6x slower inside the attacks' loops)."""
+    return canonical_convolutions(apply_fn) if jax.default_backend() == "cpu" else apply_fn
+
+
 def _run_attack(
     attack: Attack,
     index: int,
@@ -214,7 +221,7 @@ def _bundle(
     # On the grid the ball holds whole levels only: attacks aim at the radius the judge allows
     # (76/255 for Linf 0.3), so that rounding never has to cut a saturated perturbation back.
     eps = jnp.where(grid, norms.grid_radius(eps, norm), eps)
-    model = WhiteBoxModel(apply_fn, params, grid)
+    model = WhiteBoxModel(_fast_gradients(apply_fn), params, grid)
     clean = candidate_state(x, model.logits(x), x, y, norm, -1, 0, 0)
     start = {g: clean for g in goal_names}  # every attack starts alone from the clean image
     best = start

@@ -1,6 +1,7 @@
 """Models: the demo classifiers, their training and weight cache, and loading a user's model.
 
-* :mod:`~jaxbundle.models.layers`: :class:`Conv`, a 'SAME' convolution fast to differentiate on CPU.
+* :mod:`~jaxbundle.models.layers`: :class:`Conv`, a 'SAME' convolution fast to differentiate on CPU,
+  and :func:`canonical_convolutions`, the same for any model's convolutions.
 * :mod:`~jaxbundle.models.architectures`: :class:`SmallCNN`, :class:`MLP`, :func:`model_for`.
 * :mod:`~jaxbundle.models.training`: :class:`TrainConfig`, :func:`train` (standard or PGD
   adversarial), :func:`pgd_linf`, :func:`accuracy`.
@@ -32,7 +33,7 @@ from jaxbundle.models.cache import (
     default_cache_dir,
     load_or_train,
 )
-from jaxbundle.models.layers import Conv, conv_same
+from jaxbundle.models.layers import CanonicalConvolutions, Conv, canonical_convolutions, conv_same
 from jaxbundle.models.loading import LoadedModel, ModelSpec, check_model, load_model, parse_spec
 from jaxbundle.models.training import (
     ADVERSARIAL,
@@ -52,6 +53,8 @@ from jaxbundle.models.layers import _conv_forward  # noqa: F401
 __all__ = [
     "CODE_VERSION",
     "Conv",
+    "CanonicalConvolutions",
+    "canonical_convolutions",
     "conv_same",
     "SmallCNN",
     "LinenCNN",

@@ -1,0 +1,170 @@
+"""models.canonical_convolutions: any model's convolutions, same numbers, canonical gradients."""
+
+from __future__ import annotations
+
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from jaxbundle import bundler, models
+from jaxbundle.attacks import fab, pgd
+from jaxbundle.models import canonical_convolutions
+
+LAYOUTS = [("NHWC", "HWIO", "NHWC"), ("NCHW", "OIHW", "NCHW"), ("NHWC", "OIHW", "NCHW"),
+           ("CHWN", "IOHW", "HWNC")]
+
+
+def value_and_input_grad(fn, *args):
+    """Logits-like output and the gradient of a nonlinear scalar of it w.r.t. the last arg."""
+    out = fn(*args)
+    grad = jax.grad(lambda x: jnp.sum(jnp.sin(fn(*args[:-1], x)) * jnp.arange(out.size).reshape(
+        out.shape)))(args[-1])
+    return out, grad
+
+
+def assert_same(fn, *args):
+    run = jax.jit(value_and_input_grad, static_argnums=0)
+    a = run(fn, *args)
+    b = run(canonical_convolutions(fn), *args)
+    for u, v in zip(a, b):
+        assert u.shape == v.shape and u.dtype == v.dtype
+        np.testing.assert_allclose(v, u, rtol=2e-5, atol=2e-5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    layout=st.sampled_from(LAYOUTS),
+    size=st.tuples(st.integers(3, 9), st.integers(3, 9)),
+    window=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+    strides=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+    rhs_dilation=st.tuples(st.integers(1, 2), st.integers(1, 2)),
+    lhs_dilation=st.tuples(st.integers(1, 2), st.integers(1, 2)),
+    padding=st.sampled_from(["SAME", "VALID", ((1, 0), (2, 1)), ((0, 2), (1, 1))]),
+    groups=st.sampled_from([1, 2]),
+)
+def test_any_convolution_same_value_and_input_gradient(
+    layout, size, window, strides, rhs_dilation, lhs_dilation, padding, groups
+):
+    """Strides, dilations (kernel and input), explicit padding, groups, every layout."""
+    cin, cout, batch = 2 * groups, 3 * groups, 2
+    shapes = {"N": batch, "C": cin, "H": size[0], "W": size[1]}
+    x = jax.random.normal(jax.random.key(0), [shapes[d] for d in layout[0]])
+    kshape = {"O": cout, "I": cin // groups, "H": window[0], "W": window[1]}
+    k = jax.random.normal(jax.random.key(1), [kshape[d] for d in layout[1]])
+    if padding in ("SAME", "VALID") and lhs_dilation != (1, 1):
+        padding = ((1, 1), (0, 1))  # string padding is not defined with input dilation
+
+    def conv(kernel, image):
+        return jax.lax.conv_general_dilated(
+            image, kernel, strides, padding, lhs_dilation, rhs_dilation,
+            dimension_numbers=layout, feature_group_count=groups,
+        )
+
+    assert_same(conv, k, x)
+
+
+class Mixed(nn.Module):
+    """What users write: strided, depthwise, dilated, transposed and 1-D convolutions, inside
+    a jitted helper too, batch norm statistics and a dense head."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(8, (3, 3), strides=2)(x))
+        x = nn.Conv(8, (3, 3), feature_group_count=8, kernel_dilation=2)(x)  # depthwise
+        x = jax.jit(lambda h: nn.gelu(h))(x)
+        x = nn.ConvTranspose(4, (3, 3), strides=(2, 2))(x)
+        x = nn.BatchNorm(use_running_average=True)(x)
+        x = x.reshape(x.shape[0], -1, x.shape[-1])
+        x = nn.Conv(6, (5,), strides=3, padding="CAUSAL")(x)  # 1-D over the flattened rows
+        return nn.Dense(10)(x.reshape(x.shape[0], -1))
+
+
+@pytest.mark.parametrize("shape", [(3, 16, 16, 3), (2, 32, 32, 3)])
+def test_flax_models_same_value_and_input_gradient(shape):
+    x = jax.random.uniform(jax.random.key(2), shape)
+    module = Mixed()
+    params = module.init(jax.random.key(3), x)
+    assert_same(module.apply, params, x)
+
+
+def test_wrapper_is_hashed_by_the_model_and_idempotent():
+    f = models.LinenCNN().apply
+    g = canonical_convolutions(f)
+    assert g == canonical_convolutions(f) and hash(g) == hash(canonical_convolutions(f))
+    assert canonical_convolutions(g) is g
+    assert g != canonical_convolutions(models.SmallCNN().apply)
+
+
+def test_model_without_convolutions_is_called_as_it_is():
+    calls = []
+
+    def mlp(params, x):
+        calls.append(1)
+        return x.reshape(x.shape[0], -1) @ params
+
+    x = jnp.ones((2, 4, 4, 1))
+    w = jnp.ones((16, 3))
+    np.testing.assert_array_equal(canonical_convolutions(mlp)(w, x), mlp(w, x))
+    assert len(calls) == 3  # traced once to look, then called as it is (plus the direct call)
+
+
+def _conv_dim_labels(fn, params, x, y) -> list[str]:
+    """dim_labels of every convolution XLA:CPU compiles for 3 PGD steps in a fori_loop."""
+
+    def loss(xx):
+        return jnp.sum(jax.nn.log_softmax(fn(params, xx))[jnp.arange(y.shape[0]), y])
+
+    def loop(xx):
+        return jax.lax.fori_loop(0, 3, lambda i, v: v + 1e-3 * jnp.sign(jax.grad(loss)(v)), xx)
+
+    text = jax.jit(loop).lower(x).compile().as_text()
+    return re.findall(r"convolution\(.*?dim_labels=([\w>_-]+)", text)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU's layouts")
+def test_every_convolution_in_the_loop_is_canonical():
+    """Inside a loop, the rewritten model's input-gradient convolutions have HWIO kernels
+    (XLA:CPU's fast path); plain flax nn.Conv gets JAX's swapped-kernel layout there."""
+    x = jax.random.uniform(jax.random.key(4), (4, 28, 28, 1))
+    y = jnp.arange(4)
+    module = models.LinenCNN()
+    params = module.init(jax.random.key(5), x)
+    ours = _conv_dim_labels(canonical_convolutions(module.apply), params, x, y)
+    assert len(ours) >= 3  # two forwards and at least one input-gradient convolution
+    assert set(ours) == {"b01f_01io->b01f"}, ours
+    plain = _conv_dim_labels(module.apply, params, x, y)
+    assert len(plain) >= 3  # the pattern finds JAX's own convolutions too
+
+
+def _opaque(apply_fn):
+    """apply_fn behind a custom_jvp (its own JVP): the rewrite leaves it as it is."""
+
+    @jax.custom_jvp
+    def f(params, x):
+        return apply_fn(params, x)
+
+    f.defjvp(lambda primals, tangents: jax.jvp(apply_fn, primals, tangents))
+    return f
+
+
+@pytest.mark.parametrize("attack", [pgd(steps=5, restarts=2), fab(steps=4, targets=3)],
+                         ids=["pgd-restarts", "fab-vmapped-vjp"])
+def test_bundle_results_equal_without_the_rewrite(attack):
+    """The bundler (which rewrites on CPU) finds the same images as on the unrewritten model,
+    through vmapped restarts and FAB's per-class VJPs."""
+    x = jax.random.uniform(jax.random.key(6), (6, 28, 28, 1))
+    y = jnp.arange(6) % 10
+    module = models.LinenCNN()
+    params = module.init(jax.random.key(7), x)
+    kw = dict(eps=0.1, goals=("misclassify", "min_norm"))
+    a = bundler.bundle([attack], module.apply, params, x, y, jax.random.key(8), **kw)
+    b = bundler.bundle([attack], _opaque(module.apply), params, x, y, jax.random.key(8), **kw)
+    for g in kw["goals"]:
+        np.testing.assert_allclose(a.best[g].x, b.best[g].x, atol=1e-5)
+        np.testing.assert_array_equal(a.best[g].score.misclassified, b.best[g].score.misclassified)
