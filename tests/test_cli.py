@@ -166,28 +166,33 @@ def test_evaluate_end_to_end(tmp_path):
 
 @pytest.mark.slow
 def test_default_bundle_runs_as_a_focused_cascade(tmp_path, capsys):
-    """The main job's default bundle: APGD-CE, APGD-T, then Square only on the most promising
-    8 % of the survivors, reported stage by stage."""
+    """The main job's default bundle: APGD-CE, then APGD-CE 100 and APGD-T on the more
+    promising half of the survivors, Square only on the most promising 8 %, reported stage
+    by stage."""
     out = tmp_path / "report"
     argv = ["evaluate", *TINY, "--models", "adversarial", "--no-shifts", "--no-compile-cache",
             "--out", str(out), "--cache-dir", str(tmp_path / "cache")]
     assert main(argv) == 0
     report = json.loads((out / "report.json").read_text())
+    focus = {"apgd-ce-long": 0.5, "apgd-t": 0.5, "square-aa": 0.08}
     assert report["config"]["bundle"] == "default" and report["config"]["schedule"] == "cascade"
-    assert report["config"]["focus"] == {"square-aa": 0.08}
+    assert report["config"]["focus"] == focus
     m = report["models"]["adversarial"]
     stages = m["schedule"]["stages"]
-    assert [s["attack"] for s in stages] == ["apgd-ce", "apgd-t", "square-aa"]
-    assert m["schedule"]["focus"] == {"square-aa": 0.08}
-    # Square ran on ceil(8 %) of the survivors of each batch of 16 (24 examples: 16 + 8), up
-    # to a full bucket (16, 8, 4, 2, 1).
+    assert [s["attack"] for s in stages] == ["apgd-ce", "apgd-ce-long", "apgd-t", "square-aa"]
+    assert m["schedule"]["focus"] == focus
+    # A focused stage ran on ceil(fraction) of the survivors of each batch of 16 (24 examples:
+    # 16 + 8), up to a full bucket (16, 8, 4, 2, 1).
     with np.load(out / m["per_example"]) as pe:
         ok = pe["clean_prediction"] == pe["label"]
-        before = ok & ~pe["attack_success"][:, :2].any(1)
-        left = [int(before[b:b + 16].sum()) for b in (0, 16)]
-        expected = sum(min(n, min(s for s in (16, 8, 4, 2, 1) if s >= np.ceil(0.08 * n)))
-                       for n in left if n)
-        assert stages[2]["examples"] == expected
-        assert (pe["queries"] > 0).sum() == expected
+        for k, fraction in ((1, 0.5), (2, 0.5), (3, 0.08)):
+            before = ok & ~pe["attack_success"][:, :k].any(1)
+            left = [int(before[b:b + 16].sum()) for b in (0, 16)]
+            expected = sum(
+                min(n, min(s for s in (16, 8, 4, 2, 1) if s >= np.ceil(fraction * n)))
+                for n in left if n
+            )
+            assert stages[k]["examples"] == expected, k
+        assert (pe["queries"] > 0).sum() == stages[3]["examples"]
     assert m["robust_accuracy"] == stages[-1]["robust_accuracy"]
     assert "square-aa" in capsys.readouterr().out

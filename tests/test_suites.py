@@ -84,14 +84,18 @@ def test_autoattack_bundle_has_autoattacks_original_parameters():
 
 
 def test_default_bundle_is_a_focused_cascade_within_a_tenth_of_autoattacks_budget():
-    """The main job's default: APGD-CE 20, APGD-T 3 x 50, AutoAttack's Square on the 8 % most
-    promising survivors; on an example no attack fools it spends under a tenth of what
-    AutoAttack spends (model passes: a gradient is a forward and a backward)."""
+    """The main job's default: APGD-CE 20; APGD-CE 100 and APGD-T 3 x 50 on the more promising
+    half of the survivors; AutoAttack's Square on the 8 % most promising; on an example no
+    attack fools it spends under a tenth of what AutoAttack spends (model passes: a gradient
+    is a forward and a backward)."""
     for norm in ("linf", "l2"):
         d = {a.name: a for a in suites.bundle_attacks("default", norm)}
-        assert list(d) == ["apgd-ce", "apgd-t", "square-aa"]
-        assert d["apgd-ce"].num_steps == 20 and d["apgd-t"].num_restarts == 3
+        assert list(d) == ["apgd-ce", "apgd-ce-long", "apgd-t", "square-aa"]
+        assert d["apgd-ce"].num_steps == 20 and d["apgd-ce-long"].num_steps == 100
+        assert d["apgd-ce-long"].config.loss == "ce" and d["apgd-t"].num_restarts == 3
         assert d["apgd-t"].num_steps == 50 and d["square-aa"].kind == "score-based"
+        assert suites.BUNDLE_FOCUS["default"] == {"apgd-ce-long": 0.5, "apgd-t": 0.5,
+                                                  "square-aa": 0.08}
         aa = suites.bundle_attacks("autoattack", norm)
         focus = suites.BUNDLE_FOCUS["default"]
         assert set(focus) <= set(d)
