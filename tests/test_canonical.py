@@ -135,7 +135,8 @@ def test_every_convolution_in_the_loop_is_canonical():
     y = jnp.arange(4)
     module = models.LinenCNN()
     params = module.init(jax.random.key(5), x)
-    ours = _conv_dim_labels(canonical_convolutions(module.apply), params, x, y)
+    jitted = jax.jit(module.apply)  # as users often pass it: the convolutions inside a jit
+    ours = _conv_dim_labels(canonical_convolutions(jitted), params, x, y)
     assert len(ours) >= 3  # two forwards and at least one input-gradient convolution
     assert set(ours) == {"b01f_01io->b01f"}, ours
     plain = _conv_dim_labels(module.apply, params, x, y)

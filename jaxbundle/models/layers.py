@@ -73,8 +73,9 @@ class Conv(nn.Module):
 # Any model: every convolution of apply_fn rewritten into the canonical-gradient form
 # ----------------------------------------------------------------------------------------
 
-_CONV = jax.extend.core.primitives.conv_general_dilated_p
-_INLINED = (jax.extend.core.primitives.jit_p, jax.extend.core.primitives.closed_call_p)
+_PRIMITIVES = jax.extend.core.primitives
+_CONV = _PRIMITIVES.conv_general_dilated_p
+_JIT = getattr(_PRIMITIVES, "jit_p", None) or getattr(_PRIMITIVES, "pjit_p")  # renamed in 0.7
 
 
 def _dilate(shape, dilation):
@@ -166,7 +167,7 @@ def _has_conv(jaxpr) -> bool:
     for eqn in jaxpr.eqns:
         if eqn.primitive is _CONV:
             return True
-        if eqn.primitive in _INLINED and _has_conv(eqn.params["jaxpr"].jaxpr):
+        if eqn.primitive is _JIT and _has_conv(eqn.params["jaxpr"].jaxpr):
             return True
     return False
 
@@ -187,7 +188,7 @@ def _evaluate(jaxpr, consts, *args):
         invals = [read(v) for v in eqn.invars]
         if eqn.primitive is _CONV:
             outvals = [_rewritten_conv(*invals, **eqn.params)]
-        elif eqn.primitive in _INLINED:
+        elif eqn.primitive is _JIT:
             closed = eqn.params["jaxpr"]
             outvals = _evaluate(closed.jaxpr, closed.consts, *invals)
         else:
