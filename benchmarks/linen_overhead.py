@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
            "sections": [bench(n, args.steps, args.repeats) for n in args.n]}
     for sec in out["sections"]:
         print(f"N={sec['n']}: floor {sec['best_floor']} {sec['best_floor_s']:.3f} s, "
-              f"target {sec['target_ratio']}, same images as before: {sec['same_images_as_before']}")
+              f"target {sec['target_ratio']}, "
+              f"same images as before: {sec['same_images_as_before']}")
         for k, v in sec["variants"].items():
             print(f"  {k:28s} {v['median_s']:8.3f} s  x{v['ratio']:.2f} (min x{v['ratio_min']:.2f})"
                   f"  compile {v['compile_s']:.1f} s")

@@ -113,14 +113,13 @@ def _conv_bwd(conv, residuals, g):
     k = k.reshape(*k.shape[:-1], groups, k.shape[-1] // groups)  # [..., I/G, G, O/G]
     k = jnp.moveaxis(k, (-3, -2, -1), (-1, -2, -3))  # [..., O/G, G, I/G]
     k = k.reshape(*k.shape[:-2], -1).astype(g.dtype)
-    before = [
-        w - 1 - lo for w, (lo, _) in zip(_dilate(rhs.shape[:space], c["rhs_dilation"]), c["padding"])
-    ]
+    window = _dilate(rhs.shape[:space], c["rhs_dilation"])
+    before = [w - 1 - lo for w, (lo, _) in zip(window, c["padding"])]
     after = [
         i + w - 1 - o - b
         for i, w, o, b in zip(
             _dilate(lhs.shape[1:-1], c["lhs_dilation"]),
-            _dilate(rhs.shape[:space], c["rhs_dilation"]),
+            window,
             _dilate(g.shape[1:-1], c["window_strides"]),
             before,
         )
