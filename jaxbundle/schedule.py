@@ -10,8 +10,8 @@ attacks of a bundle one stage at a time on one batch:
    ``min_norm`` is never satisfied (a smaller distortion is always better), so every example
    stays. The other goals tracked are folded wherever an attack runs;
 2. the survivors are compacted into the smallest of a few fixed bucket sizes (``batch``,
-   ``batch / 2``, ``batch / 4``, ...; padded by repeating the last survivor), so each attack
-   compiles at most once per bucket size, never per batch;
+   ``3/4``, ``1/2``, ``3/8``, ``1/4`` of it, ...: :func:`bucket_sizes`; padded by repeating
+   the last survivor), so each attack compiles at most once per bucket size, never per batch;
 3. stage ``k`` is :func:`jaxbundle.bundler.bundle` with attack ``k`` alone, under the same
    per-example keys as in the full bundle (``fold_in(fold_in(key, example_id), k)``), and its
    verified results are folded into the batch's best states at the survivors' rows.
@@ -23,8 +23,9 @@ it ran. What it does not give is the many-attack table: attack ``k`` saw only th
 attacks ``1..k-1``. Its ``attack_success[k]`` is False where attack ``k`` did not run.
 
 With ``focus`` (attack name -> fraction), that attack runs only on the most promising part of
-the survivors, ``ceil(fraction * survivors)`` of them, rounded up to fill the bucket they run
-in (its padding rows would be computed anyway): those closest to the goal under the
+the survivors, ``fraction * survivors`` of them rounded to the nearest bucket size (in ratio;
+all survivors if they are fewer), so that no padding row is computed: those closest to the goal
+under the
 best candidates so far (misclassify: the largest margin ``max_{j != y} z_j - z_y``; max
 confidence: the highest wrong-class confidence). An expensive last stage, such as a black-box
 attack with thousands of queries, is then spent where it can still succeed; the others are
@@ -66,24 +67,29 @@ class Stage(NamedTuple):
     rows: int  # bucket rows computed (examples plus padding)
 
 
-def bucket_sizes(batch_size: int, multiple: int = 1, factor: int = 2) -> tuple[int, ...]:
-    """The compacted batch sizes a cascade may use, largest first: ``batch_size`` and its
-    successive halves (``factor``), each rounded up to a multiple of ``multiple`` (the device
-    count). Halves waste under half a bucket on padding, at one more compiled shape per
-    halving than quarters."""
-    sizes = {batch_size}
-    size = batch_size
-    while size > multiple:
-        size = max(multiple, -(-(size // factor) // multiple) * multiple)
-        sizes.add(size)
+def bucket_sizes(batch_size: int, multiple: int = 1) -> tuple[int, ...]:
+    """The compacted batch sizes a cascade may use, largest first: ``batch_size`` times
+    1, 3/4, 1/2, 3/8, 1/4, 3/16, ... (rounded down, then up to a multiple of ``multiple``, the
+    device count), down to ``multiple``. Padding wastes under a third of a bucket (under a half
+    with halves alone), at two compiled shapes per halving."""
+    sizes, scale = set(), 1.0
+    while True:
+        for ratio in (1.0, 0.75):
+            size = max(multiple, -(-int(batch_size * scale * ratio) // multiple) * multiple)
+            sizes.add(min(size, batch_size))
         if size == multiple:
-            break
-    return tuple(sorted(sizes, reverse=True))
+            return tuple(sorted(sizes, reverse=True))
+        scale /= 2
 
 
 def _bucket(sizes: tuple[int, ...], rows: int) -> int:
     """The smallest bucket size that holds ``rows`` rows."""
     return min(s for s in sizes if s >= rows)
+
+
+def _nearest_bucket(sizes: tuple[int, ...], rows: float) -> int:
+    """The bucket size nearest to ``rows`` in ratio (ties: the smaller)."""
+    return min(sorted(sizes), key=lambda s: abs(np.log(s / max(rows, 1.0))))
 
 
 def satisfied(
@@ -206,7 +212,7 @@ def cascade(
       threshold: the defender's confidence threshold t, for ``goal="max_confidence"``.
       budget: model passes per example, on average over the real rows, for the whole cascade.
       focus: attack name -> fraction in (0, 1]: that attack runs only on the most promising
-        ``ceil(fraction * survivors)`` survivors (:func:`promise`), up to a full bucket.
+        ``fraction * survivors`` survivors (:func:`promise`), rounded to a bucket size.
       mesh: the 1-D ``("batch",)`` mesh the batch is sharded over, if any: bucket sizes are
         multiples of its size, and the survivors' mask is replicated before it is read, so every
         process reads the same mask and runs the same programs.
@@ -242,8 +248,9 @@ def cascade(
         done, closeness = host(_status(best, eps, goal, threshold, fraction is not None))  # 1 sync
         order = np.flatnonzero(real & ~done)
         if fraction is not None and order.size:
-            # Fill the bucket that ceil(fraction * survivors) needs rather than pad it.
-            keep = min(_bucket(sizes, int(np.ceil(fraction * order.size))), order.size)
+            # The bucket size nearest to fraction * survivors: no padding rows, and on
+            # average the stage costs what the fraction asks.
+            keep = min(_nearest_bucket(sizes, fraction * order.size), order.size)
             order = np.sort(order[np.argsort(-closeness[order], kind="stable")][:keep])
         cost = attack.gradients + attack.queries
         if left is not None and cost:

@@ -181,15 +181,16 @@ def test_default_bundle_runs_as_a_focused_cascade(tmp_path, capsys):
     stages = m["schedule"]["stages"]
     assert [s["attack"] for s in stages] == ["apgd-ce", "apgd-ce-long", "apgd-t", "square-aa"]
     assert m["schedule"]["focus"] == focus
-    # A focused stage ran on ceil(fraction) of the survivors of each batch of 16 (24 examples:
-    # 16 + 8), up to a full bucket (16, 8, 4, 2, 1).
+    # A focused stage ran on fraction * survivors of each batch of 16 (24 examples: 16 + 8),
+    # rounded to the nearest bucket size in ratio (16, 12, 8, 6, 4, 3, 2, 1), at most all.
     with np.load(out / m["per_example"]) as pe:
         ok = pe["clean_prediction"] == pe["label"]
         for k, fraction in ((1, 0.5), (2, 0.5), (3, 0.08)):
             before = ok & ~pe["attack_success"][:, :k].any(1)
             left = [int(before[b:b + 16].sum()) for b in (0, 16)]
             expected = sum(
-                min(n, min(s for s in (16, 8, 4, 2, 1) if s >= np.ceil(fraction * n)))
+                min(n, min((1, 2, 3, 4, 6, 8, 12, 16),
+                           key=lambda s: abs(np.log(s / max(fraction * n, 1)))))
                 for n in left if n
             )
             assert stages[k]["examples"] == expected, k

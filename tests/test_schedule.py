@@ -10,13 +10,15 @@ import jax.monitoring
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxbundle import attacks as attacks_lib
 from jaxbundle import goals as goals_lib
 from jaxbundle import suites
 from jaxbundle.bundler import bundle, goals_for
 from jaxbundle.evaluate import evaluate
-from jaxbundle.schedule import bucket_sizes, cascade
+from jaxbundle.schedule import _nearest_bucket, bucket_sizes, cascade
 from toys import images, linear_apply, linear_problem, min_distance
 
 KEY = jax.random.key(7)
@@ -99,12 +101,33 @@ def test_cascade_evaluation_equals_full_evaluation_per_example(batch_size):
 
 
 def test_bucket_sizes():
-    assert bucket_sizes(256) == (256, 128, 64, 32, 16, 8, 4, 2, 1)
-    assert bucket_sizes(250) == (250, 125, 62, 31, 15, 7, 3, 1)
-    assert bucket_sizes(256, 8) == (256, 128, 64, 32, 16, 8)
-    assert bucket_sizes(256, factor=4) == (256, 64, 16, 4, 1)
+    assert bucket_sizes(256) == (256, 192, 128, 96, 64, 48, 32, 24, 16, 12, 8, 6, 4, 3, 2, 1)
+    assert bucket_sizes(250) == (250, 187, 125, 93, 62, 46, 31, 23, 15, 11, 7, 5, 3, 2, 1)
+    assert bucket_sizes(256, 8) == (256, 192, 128, 96, 64, 48, 32, 24, 16, 8)
     assert bucket_sizes(8, 8) == (8,)
+    assert bucket_sizes(10, 4) == (10, 8, 4)
+    assert bucket_sizes(1) == (1,)
     assert all(s % 4 == 0 for s in bucket_sizes(100, 4))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 4096), st.sampled_from([1, 2, 4, 8]))
+def test_bucket_ladder_holds_every_count_with_under_a_third_padding(batch, devices):
+    """Every survivor count fits a bucket; above the smallest bucket, the padding is under a
+    third of the bucket, and every bucket but the whole batch is a multiple of the devices."""
+    batch = max(batch - batch % devices, devices)
+    sizes = bucket_sizes(batch, devices)
+    assert sizes[0] == batch and sizes[-1] == devices and list(sizes) == sorted(set(sizes))[::-1]
+    assert all(s % devices == 0 for s in sizes)
+    for rows in range(1, batch + 1):
+        size = min(s for s in sizes if s >= rows)
+        assert size == devices or (size - rows) < size / 3 + devices
+
+
+def test_focus_rounds_to_the_nearest_bucket():
+    sizes = bucket_sizes(256)
+    assert [_nearest_bucket(sizes, r) for r in (104, 16.5, 6.8, 0.3, 256, 1000)] == [
+        96, 16, 6, 1, 256, 256]
 
 
 def test_no_recompilation_across_batches_and_buckets():
@@ -220,9 +243,9 @@ def test_cascade_equals_full_on_trained_cnns(model):
 
 
 def test_focus_spends_a_stage_on_the_most_promising_survivors_only():
-    """With focus, attack k runs on the ceil(f * survivors) survivors of largest margin under
-    the earlier stages' bests (up to a full bucket), with the same per-example result as in
-    the full bundle."""
+    """With focus, attack k runs on the f * survivors survivors of largest margin under the
+    earlier stages' bests (rounded to the nearest bucket size), with the same per-example
+    result as in the full bundle."""
     params, x, y, eps = _problem(n=48, seed=3)  # pgd fools 17 that fgsm does not
     atts = (attacks_lib.fgsm(), attacks_lib.pgd(steps=5, restarts=2).rename("pgd"))
     goals = goals_for(("misclassify",), atts)
@@ -234,8 +257,8 @@ def test_focus_spends_a_stage_on_the_most_promising_survivors_only():
     margin = np.asarray(first.best["misclassify"].score.margin)
     survivors = np.flatnonzero(~np.asarray(
         goals_lib.success("misclassify", first.best["misclassify"].score, eps)))
-    keep = min(s for s in bucket_sizes(len(y)) if s >= np.ceil(0.2 * survivors.size))
-    assert 1 < np.ceil(0.2 * survivors.size) < keep < survivors.size  # 9 -> a bucket of 12
+    keep = _nearest_bucket(bucket_sizes(len(y)), 0.2 * survivors.size)
+    assert 1 < keep < survivors.size
     chosen = survivors[np.argsort(-margin[survivors], kind="stable")[:keep]]
     res, stages = cascade(atts, linear_apply, params, x, y, KEY, ids, eps, focus={"pgd": 0.2},
                           **kw)
