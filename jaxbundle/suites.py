@@ -16,7 +16,7 @@ candidate per example:
     The main job's, strongest for its cost, run as a cascade (:data:`BUNDLE_SCHEDULES`), each
     stage on the survivors of the ones before: APGD-CE (20 steps) on every example; APGD-CE
     again with 100 steps and APGD-T (3 targets x 50 steps), each on the more promising half
-    of the survivors (rounded up to fill its bucket); then AutoAttack's Square (5,000
+    of the survivors (rounded to the nearest bucket size); then AutoAttack's Square (5,000
     queries, p_init 0.8), the score-based check against gradient masking, on the 8 % most
     promising survivors (:data:`BUNDLE_FOCUS`: promise is the smallest margin left by the
     stages before). How it compares with AutoAttack: benchmarks/README.md.
