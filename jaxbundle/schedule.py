@@ -25,9 +25,8 @@ attacks ``1..k-1``. Its ``attack_success[k]`` is False where attack ``k`` did no
 With ``focus`` (attack name -> fraction), that attack runs only on the most promising part of
 the survivors, ``fraction * survivors`` of them rounded to the nearest bucket size (in ratio;
 all survivors if they are fewer), so that no padding row is computed: those closest to the goal
-under the
-best candidates so far (misclassify: the largest margin ``max_{j != y} z_j - z_y``; max
-confidence: the highest wrong-class confidence). An expensive last stage, such as a black-box
+under the best candidates so far (misclassify: the largest margin ``max_{j != y} z_j - z_y``;
+max confidence: the highest wrong-class confidence). An expensive last stage, such as a black-box
 attack with thousands of queries, is then spent where it can still succeed; the others are
 discarded, so focus trades the exactness above for compute, and which survivors are kept
 depends on the batch they are ranked in.
