@@ -227,6 +227,12 @@ def _store_autoattack(aa_cache, model_name, eps, n, entry, robust) -> None:
         json.dump({**entry, "robust": robust.astype(int).tolist()}, f)
 
 
+def _entry_key(name: str) -> str:
+    """A jaxbundle bundle's key in a results row: ``autoattack`` is torchattacks' AutoAttack,
+    so jaxbundle's own ``autoattack`` bundle is stored as ``jaxbundle-autoattack``."""
+    return "jaxbundle-autoattack" if name == "autoattack" else name
+
+
 def compare(model_name, eps_values, bundles, once, n, rounds, log, aa_cache=None) -> dict:
     import torch
 
@@ -315,7 +321,7 @@ def compare(model_name, eps_values, bundles, once, n, rounds, log, aa_cache=None
                 "seconds_cold_cached": entry["seconds_cold_cached"] / aa["seconds"],
                 "seconds_warm": entry["seconds_warm"] / aa["seconds"],
             }
-            row[name] = entry
+            row[_entry_key(name)] = entry
             log(f"{model_name} eps {eps:.4f} {name}: robust {entry['robust_accuracy']:.1f} % "
                 f"(AA {aa['robust_accuracy']:.1f} %), passes/ex {entry['passes_per_example']:.0f}"
                 f" (AA {aa['passes_per_example']:.0f}), cold {entry['seconds_cold']:.1f} s, "
@@ -341,7 +347,7 @@ def recount(results: dict, log) -> None:
                     continue
                 counts = {"forward": 0, "backward": 0}
                 robust, _ = run_jaxbundle(counting(apply_fn, counts), params, x, y,
-                                          float(eps_text), name)
+                                          float(eps_text), name.removeprefix("jaxbundle-"))
                 jax.effects_barrier()
                 if abs(100 * float(robust.mean()) - entry["robust_accuracy"]) > 1e-9:
                     raise SystemExit(f"{model_name} {eps_text} {name}: robust accuracy moved")
