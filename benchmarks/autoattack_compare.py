@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -201,15 +202,11 @@ def timed(fn) -> tuple[Any, float]:
 
 
 def _aa_path(aa_cache: str, model_name: str, eps: float, n: int) -> str:
-    import os
-
     return os.path.join(aa_cache, f"autoattack_{model_name}_{round(eps * 255)}_n{n}.json")
 
 
 def _cached_autoattack(aa_cache, model_name, eps, n):
     """AutoAttack's stored entry and per-example robust mask, if ``aa_cache`` holds them."""
-    import os
-
     path = aa_cache and _aa_path(aa_cache, model_name, eps, n)
     if not path or not os.path.exists(path):
         return None
@@ -220,8 +217,6 @@ def _cached_autoattack(aa_cache, model_name, eps, n):
 
 
 def _store_autoattack(aa_cache, model_name, eps, n, entry, robust) -> None:
-    import os
-
     os.makedirs(aa_cache, exist_ok=True)
     with open(_aa_path(aa_cache, model_name, eps, n), "w") as f:
         json.dump({**entry, "robust": robust.astype(int).tolist()}, f)
@@ -278,7 +273,7 @@ def compare(model_name, eps_values, bundles, once, n, rounds, log, aa_cache=None
             (robust, result), counted_seconds = timed(
                 lambda: run_jaxbundle(counted_apply, params, x, y, eps, name))
             jax.effects_barrier()
-            cold, warm, cached = [], [], []
+            cold, warm, cold_cached = [], [], []
             run = lambda: run_jaxbundle(apply_fn, params, x, y, eps, name)  # noqa: E731
             for r in range(rounds if name in bundles else 0):
                 jax.clear_caches()
@@ -295,15 +290,15 @@ def compare(model_name, eps_values, bundles, once, n, rounds, log, aa_cache=None
                     jax.clear_caches()
                     run()
                     jax.clear_caches()
-                    cached.append(timed(run)[1])
+                    cold_cached.append(timed(run)[1])
             if not cold:  # run once, with the counting probes (a little slower)
-                cold = warm = cached = [counted_seconds]
+                cold = warm = cold_cached = [counted_seconds]
             entry = {
                 "robust_accuracy": 100 * float(robust.mean()),
                 "seconds_cold": statistics.median(cold), "seconds_warm": statistics.median(warm),
-                "seconds_cold_cached": statistics.median(cached),
+                "seconds_cold_cached": statistics.median(cold_cached),
                 "seconds_cold_all": cold, "seconds_warm_all": warm,
-                "seconds_cold_cached_all": cached,
+                "seconds_cold_cached_all": cold_cached,
                 "timed_rounds": rounds if name in bundles else 0,
                 "passes": dict(counts),
                 "passes_per_example": (counts["forward"] + counts["backward"]) / n,
