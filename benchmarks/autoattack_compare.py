@@ -182,12 +182,12 @@ def counting(apply_fn: Callable, counts: dict[str, int]) -> Callable:
 
 
 def run_jaxbundle(apply_fn, params, x, y, eps, name, seed=0):
-    """A named bundle under its own schedule and focus, as the CLI runs it."""
+    """A named bundle under its own schedule (focus, segments), as the CLI runs it."""
+    own = suites.bundle_schedule(name)
     result = evaluate(apply_fn, params, x, y, suites.bundle_attacks(name, "linf"), eps=eps,
                       norm="linf", goals=("misclassify",), batch_size=len(x), mesh=None,
-                      seed=seed, keep_images=False,
-                      schedule=suites.BUNDLE_SCHEDULES.get(name, "full"),
-                      focus=suites.BUNDLE_FOCUS.get(name))
+                      seed=seed, keep_images=False, schedule=own.mode, focus=dict(own.focus),
+                      segments=own.segments)
     robust = result.per_example["clean_prediction"] == result.per_example["label"]
     return robust & ~result.per_example["success"].astype(bool), result
 

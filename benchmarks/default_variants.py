@@ -8,7 +8,7 @@ variants see the same weights, images and AutoAttack verdicts. A variant file ho
 object per line::
 
     {"name": "v1", "bundle": [["apgd-ce", {"steps": 20}], ["square-aa", {"queries": 5000}]],
-     "focus": {"square-aa": 0.08}}
+     "focus": {"square-aa": 0.08}, "segments": 6}
 
     python benchmarks/default_variants.py --model adversarial --eps 0.3255 \\
         --aa-cache /tmp/aa --variants variants.jsonl --out results.jsonl
@@ -38,8 +38,10 @@ def run_variant(variant: dict, apply_fn, params, x, y, eps, robust_aa, aa) -> di
     """Registers ``variant`` as a named bundle, runs it counted, compares it with AutoAttack."""
     name = f"variant-{variant['name']}"
     suites.BUNDLES[name] = tuple((a, None, dict(o)) for a, o in variant["bundle"])
-    suites.BUNDLE_SCHEDULES[name] = variant.get("schedule", "cascade")
-    suites.BUNDLE_FOCUS[name] = dict(variant.get("focus", {}))
+    suites.BUNDLE_SCHEDULES[name] = suites.Schedule(
+        variant.get("schedule", "cascade"), tuple(variant.get("focus", {}).items()),
+        variant.get("segments", 1),
+    )
     counts = {"forward": 0, "backward": 0}
     start = time.perf_counter()
     robust, result = run_jaxbundle(counting(apply_fn, counts), params, x, y, eps, name)

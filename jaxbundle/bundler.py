@@ -17,6 +17,10 @@ jitted program. For each attack (a Python loop at trace time over a static tuple
 
 The misclassify goal is always tracked, and each attack's own verified success is kept, so the
 many-attack table, the worst-attack table and the bundled figure come from one run.
+
+The same pieces, jitted one attack at a time (:func:`start_stage`, :func:`step_stage`,
+:func:`judge_stage`, :func:`take_rows`), let a cascade run a stage in segments and gather the
+rows still running between them (:mod:`jaxbundle.schedule`).
 """
 
 from __future__ import annotations
@@ -43,6 +47,11 @@ __all__ = [
     "check_attacks",
     "goals_for",
     "check_inputs",
+    "Running",
+    "start_stage",
+    "step_stage",
+    "judge_stage",
+    "take_rows",
 ]
 
 
@@ -137,53 +146,126 @@ def _fast_gradients(apply_fn: Callable[[Any, jax.Array], jax.Array]):
     return canonical_convolutions(apply_fn) if jax.default_backend() == "cpu" else apply_fn
 
 
-def _run_attack(
-    attack: Attack,
-    index: int,
-    model: WhiteBoxModel,
-    keys: jax.Array,
-    x0: jax.Array,
-    y: jax.Array,
-    eps: jax.Array,
-    norm: str,
-    goal_names: tuple[str, ...],
-    start: dict[str, BestState],
-    unroll: int | bool,
+def _over_restarts(attack: Attack, restart_mode: str, fn: Callable, *stacked: Any) -> Any:
+    """``fn(restart, *args)`` over the leading restart axis ``[R]`` of ``stacked`` (``vmap``, or
+    one at a time with ``lax.map``); the outputs are stacked on ``[R]`` too. With one restart
+    nothing is mapped: the arguments are squeezed and the outputs expanded."""
+    restarts = jnp.arange(attack.num_restarts, dtype=jnp.int32)
+    if attack.num_restarts == 1:
+        out = fn(restarts[0], *jax.tree.map(lambda a: a[0], stacked))
+        return jax.tree.map(lambda a: a[None], out)
+    if restart_mode == "vmap":
+        return jax.vmap(fn)(restarts, *stacked)
+    return jax.lax.map(lambda args: fn(*args), (restarts, *stacked))
+
+
+class Running(NamedTuple):
+    """One attack part-way through its steps on one batch (a pytree of arrays)."""
+
+    state: Any  # the attack's state, restart-stacked: every leaf [R, B, ...]
+    best: dict[str, BestState]  # goal name -> each restart's unverified best, [R, B, ...]
+    clean: BestState  # [B]: the clean image's candidate (every goal's starting best)
+
+
+def _start_attack(
+    attack: Attack, index: int, model: WhiteBoxModel, keys: jax.Array, x0: jax.Array,
+    y: jax.Array, eps: jax.Array, clean: BestState, goal_names: tuple[str, ...],
     restart_mode: str,
-) -> dict[str, BestState]:
-    """All restarts and steps of one attack, folded into a best state per goal (unverified)."""
+) -> Running:
+    """Every restart's initial state, with the clean image as every goal's best."""
     attack_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, index)
     seen = threat_model(attack.kind, model.apply_fn, model.params, model.grid)  # what it may see
 
     def one_restart(restart):
         restart_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(attack_keys, restart)
-        state = attack.init(attack.config, restart_keys, x0, y, eps, seen, restart)
+        return attack.init(attack.config, restart_keys, x0, y, eps, seen, restart)
 
-        def body(carry, t):
+    state = _over_restarts(attack, restart_mode, one_restart)
+    best = jax.tree.map(lambda a: jnp.broadcast_to(a, (attack.num_restarts, *a.shape)), clean)
+    return Running(state, {g: best for g in goal_names}, clean)
+
+
+def _attack_steps(
+    attack: Attack, index: int, model: WhiteBoxModel, x0: jax.Array, y: jax.Array,
+    eps: jax.Array, norm: str, goal_names: tuple[str, ...], running: Running,
+    t0: int | jax.Array, t1: int | jax.Array, unroll: int | bool, restart_mode: str,
+) -> Running:
+    """Steps ``t0 .. t1 - 1`` of every restart, each candidate folded into its restart's best
+    per goal. Static bounds run a ``lax.scan`` (unrolled by ``unroll``); traced ones a
+    ``lax.fori_loop``, so that one program serves every segment of a cascade's stage."""
+    seen = threat_model(attack.kind, model.apply_fn, model.params, model.grid)
+
+    def one_restart(restart, state, best):
+        def body(t, carry):
             state, best = carry
             state, cand = attack.step(attack.config, state, seen)
             # Label-only attacks return no logits: the evaluator computes them, uncounted.
             logits = model.logits(cand.x) if cand.logits is None else cand.logits
             c = candidate_state(cand.x, logits, x0, y, norm, index, restart, t, goal_names)
-            return (state, _fold_all(goal_names, eps, best, c)), None
+            return state, _fold_all(goal_names, eps, best, c)
 
-        (state, best), _ = jax.lax.scan(
-            body, (state, start), jnp.arange(attack.num_steps), unroll=unroll
-        )
+        if isinstance(t0, int) and isinstance(t1, int):
+            carry, _ = jax.lax.scan(
+                lambda carry, t: (body(t, carry), None), (state, best),
+                jnp.arange(t0, t1, dtype=jnp.int32), unroll=unroll,
+            )
+            return carry
+        return jax.lax.fori_loop(t0, t1, body, (state, best))
+
+    state, best = _over_restarts(attack, restart_mode, one_restart, running.state, running.best)
+    return running._replace(state=state, best=best)
+
+
+def _attack_best(
+    attack: Attack, index: int, model: WhiteBoxModel, x0: jax.Array, y: jax.Array,
+    eps: jax.Array, norm: str, goal_names: tuple[str, ...], running: Running,
+    t: int | jax.Array, restart_mode: str, iterate: bool = True,
+) -> dict[str, BestState]:
+    """The restarts' bests folded into one per goal, in order (unverified). With ``iterate``,
+    each restart's current iterate is evaluated once more and folded in first, as step ``t``
+    (after the last step; mid-run the next step evaluates it anyway)."""
+
+    def one_restart(restart, state, best):
         final = candidate_state(
-            state.x, model.logits(state.x), x0, y, norm, index, restart, attack.num_steps,
-            goal_names,
+            state.x, model.logits(state.x), x0, y, norm, index, restart, t, goal_names
         )
         return _fold_all(goal_names, eps, best, final)
 
+    stacked = running.best
+    if iterate:
+        stacked = _over_restarts(attack, restart_mode, one_restart, running.state, stacked)
     if attack.num_restarts == 1:
-        return one_restart(jnp.int32(0))
-    restarts = jnp.arange(attack.num_restarts, dtype=jnp.int32)
-    if restart_mode == "vmap":
-        stacked = jax.vmap(one_restart)(restarts)
-    else:
-        stacked = jax.lax.map(one_restart, restarts)
+        return jax.tree.map(lambda a: a[0], stacked)
     return _fold_leading_axis(goal_names, eps, stacked)
+
+
+def _judged(
+    attack: Attack, found: dict[str, BestState], model: WhiteBoxModel, x: jax.Array,
+    y: jax.Array, eps: jax.Array, norm: str, grid: jax.Array, clean: BestState,
+    goal_names: tuple[str, ...],
+) -> tuple[dict[str, BestState], jax.Array, jax.Array]:
+    """An attack's bests verified (:func:`jaxbundle.judge.verify`) and offered to every goal,
+    with its verified success (misclassify) and smallest verified distortion per example."""
+    # A black-box attack's image is judged as it queried it: no uncounted stretching.
+    stretch = (1.0,) if attack.black_box else STRETCH
+    found = {
+        g: verify(found[g], g, model, x, y, eps, norm, grid, clean, stretch) for g in goal_names
+    }
+    found = _cross_fold(goal_names, eps, found)
+    success = goals_lib.success("misclassify", found["misclassify"].score, eps)
+    return found, success, _smallest_distortion(found, eps)
+
+
+def _setup(params, x, y, eps, apply_fn, norm, judging):
+    """The batch in float32, the radius the attacks aim at, the grid mask and the model."""
+    x = x.astype(jnp.float32)
+    y = y.astype(jnp.int32)
+    eps = jnp.broadcast_to(jnp.asarray(eps, jnp.float32), y.shape)
+    grid = judged_on_grid(x, judging)
+    # On the grid the ball holds whole levels only: attacks aim at the radius the judge allows
+    # (76/255 for Linf 0.3), so that rounding never has to cut a saturated perturbation back.
+    eps = jnp.where(grid, norms.grid_radius(eps, norm), eps)
+    return x, y, eps, grid, WhiteBoxModel(_fast_gradients(apply_fn), params, grid)
 
 
 @functools.partial(
@@ -212,33 +294,23 @@ def _bundle(
     """The jitted bundle. ``indices`` are the attacks' positions in the whole bundle (their key
     folds and the ``attack`` field of their candidates); default ``0, 1, ...``: a cascade runs
     attack ``k`` alone under index ``k`` (see :mod:`jaxbundle.schedule`)."""
-    x = x.astype(jnp.float32)
-    y = y.astype(jnp.int32)
-    eps = jnp.broadcast_to(jnp.asarray(eps, jnp.float32), y.shape)
+    x, y, eps, grid, model = _setup(params, x, y, eps, apply_fn, norm, judging)
     keys = per_example_keys(key, example_id)
-
-    grid = judged_on_grid(x, judging)
-    # On the grid the ball holds whole levels only: attacks aim at the radius the judge allows
-    # (76/255 for Linf 0.3), so that rounding never has to cut a saturated perturbation back.
-    eps = jnp.where(grid, norms.grid_radius(eps, norm), eps)
-    model = WhiteBoxModel(_fast_gradients(apply_fn), params, grid)
     clean = candidate_state(x, model.logits(x), x, y, norm, -1, 0, 0)
-    start = {g: clean for g in goal_names}  # every attack starts alone from the clean image
-    best = start
+    best = {g: clean for g in goal_names}
     successes, distortions = [], []
     for index, attack in zip(indices or range(len(attacks)), attacks):
-        found = _run_attack(
-            attack, index, model, keys, x, y, eps, norm, goal_names, start, unroll, restart_mode
-        )
-        # A black-box attack's image is judged as it queried it: no uncounted stretching.
-        stretch = (1.0,) if attack.black_box else STRETCH
-        found = {
-            g: verify(found[g], g, model, x, y, eps, norm, grid, clean, stretch)
-            for g in goal_names
-        }
-        found = _cross_fold(goal_names, eps, found)
-        successes.append(goals_lib.success("misclassify", found["misclassify"].score, eps))
-        distortions.append(_smallest_distortion(found, eps))
+        # every attack starts alone from the clean image
+        running = _start_attack(attack, index, model, keys, x, y, eps, clean, goal_names,
+                                restart_mode)
+        running = _attack_steps(attack, index, model, x, y, eps, norm, goal_names, running,
+                                0, attack.num_steps, unroll, restart_mode)
+        found = _attack_best(attack, index, model, x, y, eps, norm, goal_names, running,
+                             attack.num_steps, restart_mode)
+        found, success, distortion = _judged(attack, found, model, x, y, eps, norm, grid, clean,
+                                             goal_names)
+        successes.append(success)
+        distortions.append(distortion)
         best = _fold_each(goal_names, eps, best, found)
 
     gradients = sum(a.gradients for a in attacks)
@@ -251,6 +323,50 @@ def _bundle(
         queries=jnp.full(y.shape, sum(a.queries for a in attacks), dtype=jnp.int32),
         judged_on_grid=grid,
     )
+
+
+_STAGE_STATIC = ("apply_fn", "attack", "index", "goal_names", "norm", "judging", "restart_mode")
+_JUDGE_STATIC = (*_STAGE_STATIC, "last")
+
+
+@functools.partial(jax.jit, static_argnames=_STAGE_STATIC)
+def start_stage(params, x, y, key, example_id, eps, *, apply_fn, attack, index, goal_names, norm,
+                judging, restart_mode) -> Running:
+    """A cascade's stage run in segments: attack ``index`` initialised on a bucket of rows,
+    with the same keys as in the full bundle (see :mod:`jaxbundle.schedule`)."""
+    x, y, eps, _, model = _setup(params, x, y, eps, apply_fn, norm, judging)
+    clean = candidate_state(x, model.logits(x), x, y, norm, -1, 0, 0)
+    return _start_attack(attack, index, model, per_example_keys(key, example_id), x, y, eps,
+                         clean, goal_names, restart_mode)
+
+
+@functools.partial(jax.jit, static_argnames=_STAGE_STATIC)
+def step_stage(params, running, x, y, eps, t0, t1, *, apply_fn, attack, index, goal_names, norm,
+               judging, restart_mode) -> Running:
+    """Steps ``t0 .. t1 - 1`` (traced: one program per bucket size) of a stage's rows."""
+    x, y, eps, _, model = _setup(params, x, y, eps, apply_fn, norm, judging)
+    return _attack_steps(attack, index, model, x, y, eps, norm, goal_names, running, t0, t1, 1,
+                         restart_mode)
+
+
+@functools.partial(jax.jit, static_argnames=_JUDGE_STATIC)
+def judge_stage(params, running, x, y, eps, t, *, apply_fn, attack, index, goal_names, norm,
+                judging, restart_mode, last) -> tuple[dict[str, BestState], jax.Array, jax.Array]:
+    """A stage's verified bests after ``t`` steps, as :func:`_bundle` judges an attack's:
+    ``(best per goal, success [B], smallest distortion [B])``; the current iterate is
+    evaluated only after the ``last`` step."""
+    x, y, eps, grid, model = _setup(params, x, y, eps, apply_fn, norm, judging)
+    found = _attack_best(attack, index, model, x, y, eps, norm, goal_names, running, t,
+                         restart_mode, iterate=last)
+    return _judged(attack, found, model, x, y, eps, norm, grid, running.clean, goal_names)
+
+
+@jax.jit
+def take_rows(running: Running, positions: jax.Array) -> Running:
+    """The rows ``positions`` of a stage mid-run (axis 1 of the restart-stacked leaves)."""
+    pick = lambda a: jnp.take(a, positions, axis=1)  # noqa: E731
+    return Running(jax.tree.map(pick, running.state), jax.tree.map(pick, running.best),
+                   jax.tree.map(lambda a: jnp.take(a, positions, axis=0), running.clean))
 
 
 def _smallest_distortion(found: dict[str, BestState], eps: jax.Array) -> jax.Array:

@@ -176,6 +176,11 @@ def _parser() -> argparse.ArgumentParser:
         "(closest to the goal) first; repeatable; default: the bundle's own",
     )
     threat.add_argument(
+        "--segments", type=_positive_int, default=None, metavar="N",
+        help="cascade: run each attack's steps in N segments; an example fooled in one stops "
+        "there (default: the bundle's own, 6 for default, else 1)",
+    )
+    threat.add_argument(
         "--best-effort", action="store_true",
         help="add RoBIC's best-effort distortions (bisection on eps) to the report",
     )
@@ -282,15 +287,16 @@ def _evaluate(args: argparse.Namespace, console: Console) -> None:
         for s in args.surrogate
     ]
     attack_list = build_attacks(args)
-    schedule = args.schedule or (
-        "full" if args.attacks else suites.BUNDLE_SCHEDULES.get(args.bundle, "full")
-    )
-    focus = {} if args.attacks else dict(suites.BUNDLE_FOCUS.get(args.bundle, {}))
+    own = suites.Schedule() if args.attacks else suites.bundle_schedule(args.bundle)
+    schedule = args.schedule or own.mode
+    focus = dict(own.focus)
     focus.update(dict(args.focus))
+    segments = own.segments if args.segments is None else args.segments
     if schedule != "cascade":
-        if args.focus:
-            raise ValueError("--focus needs the cascade schedule (--schedule cascade)")
-        focus = {}
+        for flag, given in (("--focus", args.focus), ("--segments", args.segments)):
+            if given:
+                raise ValueError(f"{flag} needs the cascade schedule (--schedule cascade)")
+        focus, segments = {}, 1
     from jaxbundle.schedule import check_focus
 
     check_focus(focus, attack_list, "misclassify" if args.threshold is None else "max_confidence")
@@ -305,7 +311,8 @@ def _evaluate(args: argparse.Namespace, console: Console) -> None:
             batch_size=args.batch_size, judging=args.judging, shifts=not args.no_shifts,
             checkpoint_dir=args.checkpoint_dir, save_images=args.save_images,
             best_effort=args.best_effort, surrogates=surrogates, schedule=schedule,
-            threshold=args.threshold, budget=args.budget, focus=focus, config=config,
+            threshold=args.threshold, budget=args.budget, focus=focus, segments=segments,
+            config=config,
             console=console,
             show_progress=not args.no_progress,
         )

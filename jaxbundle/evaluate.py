@@ -240,7 +240,7 @@ def fingerprint(**config: Any) -> str:
 
 
 def _cascade_metrics(metrics, per_example, attacks, stages, goal, threshold, budget,
-                     focus) -> dict:
+                     focus, segments) -> dict:
     """What a cascade reports instead of the many-attack table: each stage's attack, the
     examples it ran on, what it spent, and the robust accuracy after it."""
     ok = per_example["clean_prediction"] == per_example["label"]
@@ -248,17 +248,17 @@ def _cascade_metrics(metrics, per_example, attacks, stages, goal, threshold, bud
     n = len(ok)
     rows = []
     for k, a in enumerate(attacks):
-        examples, computed = (int(v) for v in stages[k])
+        examples, computed, gradients, queries = (int(v) for v in stages[k])
         rows.append({
             "attack": a.name, "examples": examples, "rows": computed,
-            "gradients": examples * a.gradients, "queries": examples * a.queries,
+            "gradients": gradients, "queries": queries,
             "robust_accuracy": 100.0 * float(np.sum(ok & ~fooled[:, k])) / n,
         })
     black = [a.black_box for a in attacks]
     white_first = not any(b and not c for b, c in zip(black, black[1:]))  # no white after black
     out = {
         "schedule": {"mode": "cascade", "goal": goal, "threshold": threshold, "budget": budget,
-                     "focus": dict(focus or {}), "stages": rows},
+                     "focus": dict(focus or {}), "segments": segments, "stages": rows},
         # Attack k saw only the survivors of attacks 1..k-1: no many-attack table.
         "mat": {}, "wat": None, "wat_attack": None, "black_box_robust_accuracy": None,
         "gradients_per_example": float(np.mean(per_example["gradients"])),
@@ -325,7 +325,8 @@ class _State(NamedTuple):
     batches_done: int
     counts: Counts
     chunks: dict[str, list[np.ndarray]]
-    stages: np.ndarray  # [A, 2] cascade only: examples attacked and rows computed per attack
+    stages: np.ndarray  # [A, 4] cascade only, per attack: examples attacked, rows computed,
+    #   gradients and queries spent
     gallery: tuple[np.ndarray, np.ndarray]
 
 
@@ -411,6 +412,7 @@ def evaluate_source(
     threshold: float | None = None,
     budget: float | None = None,
     focus: dict[str, float] | None = None,
+    segments: int = 1,
     progress: Callable[[int, int], None] | None = None,
 ) -> Evaluation:
     """Evaluates a model under a bundle of attacks on a dataset read batch by batch.
@@ -447,6 +449,8 @@ def evaluate_source(
       schedule_goal, threshold, budget, focus: the cascade's goal, the defender's confidence
         threshold t (for ``max_confidence``), its budget (model passes per example) and the
         attacks it runs only on the most promising survivors (name -> fraction).
+      segments: in a cascade, each attack's steps run in up to this many segments, and the
+        examples satisfied after a segment stop there (see :func:`jaxbundle.schedule.cascade`).
       progress: called as ``progress(batches_done, batches_total)``.
 
     Returns:
@@ -464,6 +468,10 @@ def evaluate_source(
     if focus and schedule != "cascade":
         raise ValueError("focus drops survivors between stages: it needs schedule='cascade'")
     focus = schedule_lib.check_focus(focus, attacks, schedule_goal)
+    segments = schedule_lib.check_segments(segments)
+    if segments > 1 and schedule != "cascade":
+        raise ValueError("segments drop satisfied examples within a stage: they need "
+                         "schedule='cascade'")
     n = len(source)
     if n == 0:
         raise ValueError(f"the dataset {source.name} is empty")
@@ -477,7 +485,7 @@ def evaluate_source(
     fingerprint_ = None if checkpoint_dir is None else fingerprint(  # hashes params and data
         attacks=[describe(a) for a in attacks], eps=eps_value, norm=norm,
         goals=list(goal_names), seed=seed, batch_size=batch_size, judging=judging,
-        schedule=([schedule, schedule_goal, threshold, budget, sorted(focus.items())]
+        schedule=([schedule, schedule_goal, threshold, budget, sorted(focus.items()), segments]
                   if schedule != "full" else "full"),
         data=source.describe(), n=n, model=params_digest(params), images=keep_images,
         apply_fn=describe(apply_fn),
@@ -500,7 +508,7 @@ def evaluate_source(
     # Host-side state only (numpy): counts are summed here, never by eager ops on global arrays.
     state = _State(
         0, jax.tree.map(np.asarray, Counts.empty(len(attacks))), {},
-        np.zeros((len(attacks), 2), np.int64), (np.zeros(0, np.int32), np.zeros((0, *source.shape), np.uint8 if uint8_images else np.float32)),
+        np.zeros((len(attacks), 4), np.int64), (np.zeros(0, np.int32), np.zeros((0, *source.shape), np.uint8 if uint8_images else np.float32)),
     )
     ckpt_path = None
     for directory in (checkpoint_dir, images_dir):
@@ -534,7 +542,7 @@ def evaluate_source(
                 for a in arrays
             )
         real = np.arange(index * batch_size, (index + 1) * batch_size) < n
-        stage_counts = np.zeros((len(attacks), 2), np.int64)
+        stage_counts = np.zeros((len(attacks), 4), np.int64)
         if schedule == "full":
             batch_counts, outputs = _evaluate_batch(
                 params, *arrays[:2], key, *arrays[2:], jnp.float32(eps_value),
@@ -547,8 +555,9 @@ def evaluate_source(
                 jnp.float32(eps_value), norm=norm, goal_names=goal_names, judging=judging,
                 mask=real, goal=schedule_goal, threshold=threshold, budget=budget,
                 focus=focus, unroll=unroll, restart_mode=restart_mode, mesh=mesh,
+                segments=segments,
             )
-            stage_counts = np.asarray([[s.examples, s.rows] for s in stages], np.int64)
+            stage_counts = np.asarray([s[1:] for s in stages], np.int64)
             batch_counts, outputs = _summarise(
                 result, *arrays, jnp.float32(eps_value), attacks=attacks, mesh=mesh
             )
@@ -591,7 +600,7 @@ def evaluate_source(
     if schedule == "cascade":
         metrics.update(_cascade_metrics(
             metrics, per_example, attacks, state.stages, schedule_goal, threshold, budget,
-            focus,
+            focus, segments,
         ))
     ids, x_adv = state.gallery
     clean = [data_lib.to_unit_float(source.read(int(i), int(i) + 1)[0]) for i in ids]

@@ -235,6 +235,7 @@ def run_job(
     threshold: float | None = None,
     budget: float | None = None,
     focus: dict[str, float] | None = None,
+    segments: int = 1,
     config: dict | None = None,
     console: Any = None,
     show_progress: bool = True,
@@ -260,6 +261,8 @@ def run_job(
         misclassified; ``budget``: model passes per example for the cascade.
       focus: attack name -> fraction: the cascade runs that attack only on the most promising
         survivors (see :mod:`jaxbundle.schedule`).
+      segments: the cascade runs each attack's steps in this many segments; an example
+        satisfied after one stops there.
       config: what the report's ``config`` records besides what this function knows.
       console: a ``rich`` console to print progress and the tables on (process 0).
       show_progress: progress bars on ``console``.
@@ -305,7 +308,7 @@ def run_job(
                 images_dir=os.path.join(out, "adversarial", ref.name) if save_images else None,
                 keep_images=getattr(source, "in_memory", False), schedule=schedule,
                 schedule_goal="misclassify" if threshold is None else "max_confidence",
-                threshold=threshold, budget=budget, focus=focus,
+                threshold=threshold, budget=budget, focus=focus, segments=segments,
             )
             metrics = evaluation.metrics
             metrics["model"] = ref.origin
@@ -339,6 +342,7 @@ def run_job(
         model_origins={m.name: m.origin for m in models},
         surrogates={m.name: m.origin for m in surrogates}, best_effort=best_effort,
         schedule=schedule, threshold=threshold, budget=budget, focus=dict(focus or {}),
+        segments=segments,
         processes=jax.process_count(), devices=jax.device_count(),
     )
     return write_report(out, record, results), results

@@ -16,7 +16,8 @@ Schema of ``report.json`` (version 1)::
                                            # (empty with the cascade schedule)
           "schedule": {"mode": "full" | "cascade",   # cascade also: "goal", "threshold",
                        "stages": [{"attack", "examples", "rows", "gradients", "queries",
-                                   "robust_accuracy"}]},  # "budget"; one stage per attack
+                                   "robust_accuracy"}]},  # "budget", "focus", "segments";
+                                           # one stage per attack
           "wat": float,                    # lowest single-attack robust accuracy
           "wat_attack": "<attack>",
           "confident_failure_rate": {"<threshold>": float},  # percent

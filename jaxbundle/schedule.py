@@ -35,7 +35,18 @@ With ``budget`` (model passes per example, averaged over the batch), a stage tha
 paid for every survivor runs on the survivors that have had the least compute so far (the
 paper's least-run-first rule), the others wait for the next stage.
 
-One host sync per stage (the survivors' count); none per step.
+With ``segments`` N > 1, a stage stops spending inside it too: the attack's steps run in N
+segments (:func:`jaxbundle.bundler.start_stage`, ``step_stage``, ``judge_stage``: one program
+per bucket size, the step index traced). After each, the bests so far are verified and
+merged; the examples now satisfied stop there, and the others go on from their own attack
+state, gathered into a bucket at most half the current size once they fit
+(:func:`jaxbundle.bundler.take_rows`; attack states have the batch axis first). An example's
+steps do not depend on the other rows, so the misclassify goal's fooled set is still the full
+bundle's; an example that stopped keeps the image of the segment that fooled it, where the full
+run might have gone on to a larger margin. Minimum-norm attacks always run whole (a smaller
+distortion is always better). Each example is charged the steps it ran.
+
+One host sync per stage (the survivors' count), and one per segment; none per step.
 """
 
 from __future__ import annotations
@@ -50,10 +61,14 @@ import numpy as np
 from jaxbundle import goals as goals_lib
 from jaxbundle import norms
 from jaxbundle.attacks.base import Attack
+from jaxbundle import bundler
 from jaxbundle.bundler import BestState, BundleResult, _bundle, candidate_state, fold
 from jaxbundle.judge import judged_on_grid
 
-__all__ = ["SCHEDULES", "Stage", "bucket_sizes", "cascade", "check_focus", "promise", "satisfied"]
+__all__ = [
+    "SCHEDULES", "Stage", "bucket_sizes", "cascade", "check_focus", "check_segments", "promise",
+    "satisfied",
+]
 
 SCHEDULES = ("full", "cascade")
 
@@ -63,7 +78,10 @@ class Stage(NamedTuple):
 
     attack: int  # index of the attack in the bundle
     examples: int  # real examples it ran on
-    rows: int  # bucket rows computed (examples plus padding)
+    rows: int  # bucket rows computed (examples plus padding), in whole runs of the attack:
+    #   a segmented stage's rows times steps, over its steps, rounded up
+    gradients: int  # gradient evaluations it spent on the real examples
+    queries: int  # model queries it spent on the real examples
 
 
 def bucket_sizes(batch_size: int, multiple: int = 1) -> tuple[int, ...]:
@@ -162,6 +180,13 @@ def _put(a, rows, values):
     return a.at[rows].set(values)
 
 
+def check_segments(segments: int) -> int:
+    """``segments`` checked: a positive integer."""
+    if isinstance(segments, bool) or not isinstance(segments, (int, np.integer)) or segments < 1:
+        raise ValueError(f"segments must be a positive integer, got {segments!r}")
+    return int(segments)
+
+
 def check_focus(focus: dict[str, float] | None, attacks: Sequence[Attack], goal: str
                 ) -> dict[str, float]:
     """``focus`` checked against the bundle's attack names and the cascade's goal."""
@@ -176,6 +201,117 @@ def check_focus(focus: dict[str, float] | None, attacks: Sequence[Attack], goal:
         raise ValueError("focus needs a goal that can be satisfied (misclassify or "
                          "max_confidence), not min_norm")
     return focus
+
+
+class _Batch(NamedTuple):
+    """What every stage of one cascade shares: the batch, and how it is attacked and judged."""
+
+    apply_fn: Callable[[Any, jax.Array], jax.Array]
+    params: Any
+    x: jax.Array
+    y: jax.Array
+    key: jax.Array
+    example_id: jax.Array
+    eps: jax.Array  # [B] the threat model's radius
+    eps_aimed: jax.Array  # [B] the radius the attacks aim at (on the grid: whole levels)
+    norm: str
+    goal_names: tuple[str, ...]
+    judging: str
+    unroll: int | bool
+    restart_mode: str
+    goal: str
+    threshold: float | None
+    sizes: tuple[int, ...]  # bucket sizes
+    host: Callable[[Any], Any]  # reads device arrays on the host
+
+
+class _Outcome(NamedTuple):
+    """What one stage leaves: the batch's bests, attack ``k``'s success and distortion rows,
+    the steps each example ran (host ``[B]``) and the bucket rows times steps computed."""
+
+    best: dict[str, BestState]
+    success: jax.Array
+    distortion: jax.Array
+    steps: np.ndarray
+    row_steps: int
+
+
+def _padded(order: np.ndarray, size: int) -> np.ndarray:
+    """``order`` padded to ``size`` rows by repeating its last entry."""
+    return np.concatenate([order, np.full(size - order.size, order[-1])]).astype(np.int32)
+
+
+def _whole_stage(b: _Batch, attack: Attack, k: int, order: np.ndarray, best, success,
+                 distortion) -> _Outcome:
+    """Attack ``k`` on the rows ``order``, all its steps in one program."""
+    rows = _padded(order, _bucket(b.sizes, order.size))
+    sub_x, sub_y, sub_id, sub_eps = _take((b.x, b.y, b.example_id, b.eps), rows)
+    found = _bundle(
+        b.params, sub_x, sub_y, b.key, sub_id, sub_eps, apply_fn=b.apply_fn, attacks=(attack,),
+        goal_names=b.goal_names, norm=b.norm, judging=b.judging, unroll=b.unroll,
+        restart_mode=b.restart_mode, indices=(k,),
+    )
+    steps = np.zeros(b.y.shape[0], np.int64)
+    steps[order] = attack.num_steps
+    return _Outcome(
+        _merge(best, b.eps_aimed, rows, found.best, goal_names=b.goal_names),
+        _put(success, rows, found.attack_success[0]),
+        _put(distortion, rows, found.attack_distortion[0]),
+        steps, rows.size * attack.num_steps,
+    )
+
+
+def _segmented_stage(b: _Batch, attack: Attack, k: int, order: np.ndarray, best, success,
+                     distortion, segments: int) -> _Outcome:
+    """Attack ``k`` on the rows ``order`` in up to ``segments`` runs of its steps. After each,
+    the rows whose goal is satisfied stop; the others are compacted into a bucket at most half
+    the size of the current one once they fit (fewer shapes to compile), else they go on in
+    place."""
+    static = dict(apply_fn=b.apply_fn, attack=attack, index=k, goal_names=b.goal_names,
+                  norm=b.norm, judging=b.judging, restart_mode=b.restart_mode)
+    rows = _padded(order, _bucket(b.sizes, order.size))
+    sub = _take((b.x, b.y, b.example_id, b.eps), rows)
+    running = bundler.start_stage(b.params, sub[0], sub[1], b.key, sub[2], sub[3], **static)
+    steps, row_steps = np.zeros(b.y.shape[0], np.int64), 0
+    length = -(-attack.num_steps // segments)
+    live = np.ones(rows.size, bool)  # rows of the bucket still running (padding: False)
+    live[order.size:] = False
+    t = 0
+    while True:
+        t1 = min(t + length, attack.num_steps)
+        x, y, _, eps = sub
+        running = bundler.step_stage(b.params, running, x, y, eps, jnp.int32(t), jnp.int32(t1),
+                                     **static)
+        steps[rows[live]] = t1
+        row_steps += rows.size * (t1 - t)
+        t = t1
+        last = t == attack.num_steps
+        found, found_success, found_distortion = bundler.judge_stage(
+            b.params, running, x, y, eps, jnp.int32(t), last=last, **static
+        )
+        # A row that stopped earlier keeps its result: its repeats here merge the same values.
+        keep = _padded(np.flatnonzero(live), rows.size) if not live.all() else None
+        merged_rows = rows if keep is None else rows[keep]
+        found_rows = (found, found_success, found_distortion)
+        if keep is not None:
+            found_rows = _take(found_rows, jnp.asarray(keep))
+        best = _merge(best, b.eps_aimed, merged_rows, found_rows[0], goal_names=b.goal_names)
+        success = _put(success, merged_rows, found_rows[1])
+        distortion = _put(distortion, merged_rows, found_rows[2])
+        if last:
+            break
+        done, _ = b.host(_status(best, b.eps, b.goal, b.threshold, False))  # 1 sync
+        live &= ~done[rows]
+        if not live.any():
+            break
+        size = _bucket(b.sizes, int(live.sum()))
+        if 2 * size <= rows.size:
+            positions = _padded(np.flatnonzero(live), size)
+            running = bundler.take_rows(running, jnp.asarray(positions))
+            rows = rows[positions]
+            sub = _take(sub, jnp.asarray(positions))
+            live = np.arange(size) < int(live.sum())
+    return _Outcome(best, success, distortion, steps, row_steps)
 
 
 def cascade(
@@ -199,6 +335,7 @@ def cascade(
     unroll: int | bool = 1,
     restart_mode: str = "vmap",
     mesh: Any = None,
+    segments: int = 1,
 ) -> tuple[BundleResult, list[Stage]]:
     """Runs ``attacks`` on one batch as a cascade (see the module docstring).
 
@@ -212,6 +349,8 @@ def cascade(
       budget: model passes per example, on average over the real rows, for the whole cascade.
       focus: attack name -> fraction in (0, 1]: that attack runs only on the most promising
         ``fraction * survivors`` survivors (:func:`promise`), rounded to a bucket size.
+      segments: run each attack's steps in up to this many equal segments; after each, the
+        examples whose ``goal`` is satisfied stop and the rest are compacted (1: whole stages).
       mesh: the 1-D ``("batch",)`` mesh the batch is sharded over, if any: bucket sizes are
         multiples of its size, and the survivors' mask is replicated before it is read, so every
         process reads the same mask and runs the same programs.
@@ -226,6 +365,7 @@ def cascade(
         raise ValueError(f"the cascade's goal {goal!r} is not among the goals {goal_names}")
     if goal == "max_confidence" and not (threshold is not None and 0 < threshold <= 1):
         raise ValueError(f"goal max_confidence needs a threshold t in (0, 1], got {threshold}")
+    check_segments(segments)
     focus = check_focus(focus, attacks, goal)
     batch = int(y.shape[0])
     real = np.ones(batch, bool) if mask is None else np.asarray(mask, bool)
@@ -233,23 +373,24 @@ def cascade(
     best, clean, eps_aimed, grid = _start(
         params, x, y, eps, apply_fn=apply_fn, goal_names=goal_names, norm=norm, judging=judging
     )
+    b = _Batch(apply_fn, params, x, y, key, example_id, eps, eps_aimed, norm, goal_names,
+               judging, unroll, restart_mode, goal, threshold,
+               bucket_sizes(batch, 1 if mesh is None else mesh.devices.size), _host_reader(mesh))
     success = jnp.zeros((len(attacks), batch), bool)
     distortion = jnp.full((len(attacks), batch), jnp.inf, jnp.float32)
     spent = np.zeros(batch, np.int64)  # model passes per example so far (host)
     gradients = np.zeros(batch, np.int64)
     queries = np.zeros(batch, np.int64)
-    sizes = bucket_sizes(batch, 1 if mesh is None else mesh.devices.size)
-    host = _host_reader(mesh)
     left = None if budget is None else float(budget) * int(real.sum())
     stages = []
     for k, attack in enumerate(attacks):
         fraction = focus.get(attack.name)
-        done, closeness = host(_status(best, eps, goal, threshold, fraction is not None))  # 1 sync
+        done, closeness = b.host(_status(best, eps, goal, threshold, fraction is not None))
         order = np.flatnonzero(real & ~done)
         if fraction is not None and order.size:
             # The bucket size nearest to fraction * survivors: no padding rows, and on
             # average the stage costs what the fraction asks.
-            keep = min(_nearest_bucket(sizes, fraction * order.size), order.size)
+            keep = min(_nearest_bucket(b.sizes, fraction * order.size), order.size)
             order = np.sort(order[np.argsort(-closeness[order], kind="stable")][:keep])
         cost = attack.gradients + attack.queries
         if left is not None and cost:
@@ -257,25 +398,28 @@ def cascade(
             order = order[np.argsort(spent[order], kind="stable")][:affordable]
             order.sort()
         if order.size == 0:
-            stages.append(Stage(k, 0, 0))
+            stages.append(Stage(k, 0, 0, 0, 0))
             continue
-        size = _bucket(sizes, order.size)
-        rows = np.concatenate([order, np.full(size - order.size, order[-1])]).astype(np.int32)
-        sub_x, sub_y, sub_id, sub_eps = _take((x, y, example_id, eps), rows)
-        found = _bundle(
-            params, sub_x, sub_y, key, sub_id, sub_eps, apply_fn=apply_fn, attacks=(attack,),
-            goal_names=goal_names, norm=norm, judging=judging, unroll=unroll,
-            restart_mode=restart_mode, indices=(k,),
-        )
-        best = _merge(best, eps_aimed, rows, found.best, goal_names=goal_names)
-        success = success.at[k].set(_put(success[k], rows, found.attack_success[0]))
-        distortion = distortion.at[k].set(_put(distortion[k], rows, found.attack_distortion[0]))
-        spent[order] += cost
-        gradients[order] += attack.gradients
-        queries[order] += attack.queries
+        args = (b, attack, k, order, best, success[k], distortion[k])
+        # A minimum-norm attack is never done (a smaller distortion is always better).
+        if segments > 1 and attack.num_steps >= segments and "min_norm" not in (goal, attack.goal):
+            out = _segmented_stage(*args, segments)
+        else:
+            out = _whole_stage(*args)
+        best = out.best
+        success = success.at[k].set(out.success)
+        distortion = distortion.at[k].set(out.distortion)
+        ran = out.steps > 0
+        grads = attack.num_restarts * attack.gradients_per_step * out.steps
+        asked = attack.num_restarts * (attack.init_queries + attack.queries_per_step * out.steps)
+        asked = np.where(ran, asked, 0)
+        spent += grads + asked
+        gradients += grads
+        queries += asked
         if left is not None:
-            left -= cost * order.size
-        stages.append(Stage(k, int(order.size), size))
+            left -= float(np.sum(grads + asked))
+        stages.append(Stage(k, int(order.size), -(-out.row_steps // max(attack.num_steps, 1)),
+                            int(np.sum(grads[real])), int(np.sum(asked[real]))))
     result = BundleResult(
         best=best, clean=clean, attack_success=success, attack_distortion=distortion,
         gradients=jnp.asarray(gradients, jnp.int32), queries=jnp.asarray(queries, jnp.int32),

@@ -15,11 +15,12 @@ candidate per example:
 ``default``
     The main job's, strongest for its cost, run as a cascade (:data:`BUNDLE_SCHEDULES`), each
     stage on the survivors of the ones before: APGD-CE (20 steps) on every example; APGD-CE
-    again with 100 steps and APGD-T (3 targets x 50 steps), each on the more promising half
+    again with 100 steps and APGD-T (5 targets x 40 steps), each on the more promising half
     of the survivors (rounded to the nearest bucket size); then AutoAttack's Square (5,000
     queries, p_init 0.8), the score-based check against gradient masking, on the 8 % most
-    promising survivors (:data:`BUNDLE_FOCUS`: promise is the smallest margin left by the
-    stages before). How it compares with AutoAttack: benchmarks/README.md.
+    promising survivors (the schedule's ``focus``: promise is the smallest margin left by the
+    stages before). Each stage runs in 6 segments, and an example fooled in one stops there.
+    How it compares with AutoAttack: benchmarks/README.md.
 ``broad``
     A many-attack table (run in full): the ``pgd`` bundle, FMN (100 steps, white-box minimum
     norm), Square (1,000 queries) and a decision-based minimum-norm attack with 1,000 queries
@@ -31,7 +32,7 @@ candidate per example:
     AutoAttack's standard version (Croce & Hein 2020) with its original parameters: APGD-CE
     (100 steps), APGD-T (9 targets x 100), FAB-T (9 targets x 100) and Square (5,000 queries,
     p_init 0.8, the schedule not rescaled), run as AutoAttack runs it, each attack only on the
-    examples the earlier ones did not fool (:data:`BUNDLE_SCHEDULES`: ``cascade``).
+    examples the earlier ones did not fool (:data:`BUNDLE_SCHEDULES`: a cascade).
 ``min-norm``
     The white-box minimum-norm attacks for the success-vs-distortion curve (L2: FMN, BP, CW,
     DeepFool; Linf: FMN, DeepFool).
@@ -42,13 +43,14 @@ budgets are queries and stay); ``step_size`` is PGD's.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 from jaxbundle import attacks as attacks_lib
 from jaxbundle import norms
 from jaxbundle.attacks.base import Attack
 
-__all__ = ["ATTACKS", "BUNDLES", "BUNDLE_FOCUS", "BUNDLE_SCHEDULES", "attack", "bundle_attacks"]
+__all__ = ["ATTACKS", "BUNDLES", "BUNDLE_SCHEDULES", "Schedule", "attack", "bundle_attacks",
+           "bundle_schedule"]
 
 
 def _pgd(loss: str) -> Callable[..., Attack]:
@@ -88,11 +90,12 @@ ATTACKS: dict[str, Callable[..., Attack]] = {
     "pgd-margin": _pgd("margin"),
     "pgd-dlr": _pgd("dlr"),
     "apgd-ce": _apgd("ce"),
-    # A second APGD-CE under its own name, so that a cascade can focus it (BUNDLE_FOCUS).
+    # A second APGD-CE under its own name, so that a cascade can focus it (Schedule.focus).
     "apgd-ce-long": _apgd("ce", name="apgd-ce-long"),
     "apgd-dlr": _apgd("dlr"),
     "apgd-t": _apgd("dlr-targeted"),
     "apgd-t3": _apgd("dlr-targeted", targets=3),
+    "apgd-t5": _apgd("dlr-targeted", targets=5),
     "bp": _min_norm(attacks_lib.bp),
     "fmn": _min_norm(attacks_lib.fmn),
     "cw-l2": _min_norm(attacks_lib.cw, takes_norm=False),
@@ -143,7 +146,7 @@ BUNDLES: dict[str, tuple[tuple[str, tuple[str, ...] | None, dict[str, Any]], ...
     "default": (
         ("apgd-ce", None, {"steps": 20}),
         ("apgd-ce-long", None, {"steps": 100}),
-        ("apgd-t3", None, {"steps": 50}),
+        ("apgd-t5", None, {"steps": 40}),
         ("square-aa", None, {"queries": 5000}),
     ),
     "broad": (
@@ -175,14 +178,26 @@ BUNDLES: dict[str, tuple[tuple[str, tuple[str, ...] | None, dict[str, Any]], ...
 }
 
 
-# The schedule a bundle is meant to run under when the user does not choose one.
-BUNDLE_SCHEDULES: dict[str, str] = {"autoattack": "cascade", "default": "cascade"}
+class Schedule(NamedTuple):
+    """How a named bundle runs when the user does not choose (see :mod:`jaxbundle.schedule`)."""
 
-# Under the cascade: attacks a bundle runs only on that fraction of the survivors, the most
-# promising first (jaxbundle.schedule).
-BUNDLE_FOCUS: dict[str, dict[str, float]] = {
-    "default": {"apgd-ce-long": 0.5, "apgd-t": 0.5, "square-aa": 0.08}
+    mode: str = "full"  # "full" or "cascade"
+    # cascade: attack name -> the fraction of the survivors it runs on, the most promising
+    focus: tuple[tuple[str, float], ...] = ()
+    segments: int = 1  # cascade: each stage in this many segments, the fooled stopping early
+
+
+BUNDLE_SCHEDULES: dict[str, Schedule] = {
+    "autoattack": Schedule("cascade"),
+    "default": Schedule(
+        "cascade", (("apgd-ce-long", 0.5), ("apgd-t", 0.5), ("square-aa", 0.08)), segments=6
+    ),
 }
+
+
+def bundle_schedule(name: str) -> Schedule:
+    """The schedule the bundle ``name`` runs under by default (``full`` if it has none)."""
+    return BUNDLE_SCHEDULES.get(name, Schedule())
 
 
 def attack(

@@ -181,6 +181,7 @@ def test_default_bundle_runs_as_a_focused_cascade(tmp_path, capsys):
     stages = m["schedule"]["stages"]
     assert [s["attack"] for s in stages] == ["apgd-ce", "apgd-ce-long", "apgd-t", "square-aa"]
     assert m["schedule"]["focus"] == focus
+    assert report["config"]["segments"] == m["schedule"]["segments"] == 6
     # A focused stage ran on fraction * survivors of each batch of 16 (24 examples: 16 + 8),
     # rounded to the nearest bucket size in ratio (16, 12, 8, 6, 4, 3, 2, 1), at most all.
     with np.load(out / m["per_example"]) as pe:

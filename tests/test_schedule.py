@@ -39,9 +39,10 @@ def _problem(n=48, seed=3):
     return params, np.asarray(images(x)), y, eps
 
 
+@pytest.mark.parametrize("segments", [1, 3])
 @pytest.mark.parametrize("norm", ["linf", "l2"])
 @pytest.mark.parametrize("which", [0, 1, 2])
-def test_cascade_fools_exactly_what_the_full_bundle_fools(norm, which):
+def test_cascade_fools_exactly_what_the_full_bundle_fools(norm, which, segments):
     params, x, y, eps = _problem()
     if norm == "l2":
         eps *= 4
@@ -51,7 +52,7 @@ def test_cascade_fools_exactly_what_the_full_bundle_fools(norm, which):
     full = bundle(atts, linear_apply, params, x, y, KEY, eps=eps, norm=norm, goals=goals,
                   example_id=ids)
     res, stages = cascade(atts, linear_apply, params, x, y, KEY, ids, eps, norm=norm,
-                          goal_names=goals)
+                          goal_names=goals, segments=segments)
     fooled_full = np.asarray(goals_lib.success("misclassify", full.best["misclassify"].score, eps))
     fooled = np.asarray(goals_lib.success("misclassify", res.best["misclassify"].score, eps))
     np.testing.assert_array_equal(fooled, fooled_full)
@@ -66,23 +67,28 @@ def test_cascade_fools_exactly_what_the_full_bundle_fools(norm, which):
         )
         assert not np.asarray(res.attack_success[k])[~ran].any()
         done &= ~np.asarray(full.attack_success[k])
-    # Every example paid for the attacks that ran on it, and nothing else.
+    # Every example paid for the attacks that ran on it, and nothing else; in segments, an
+    # example an attack fooled may have stopped after one of its segments.
     cost = np.zeros(len(y), int)
     alive = ~np.asarray(full.clean.misclassified)
     for k, a in enumerate(atts):
         cost += alive * a.gradients
         alive &= ~np.asarray(full.attack_success[k])
-    np.testing.assert_array_equal(np.asarray(res.gradients), cost)
+    paid = np.asarray(res.gradients)
+    if segments == 1:
+        np.testing.assert_array_equal(paid, cost)
+    else:
+        assert np.all(paid <= cost) and np.all(paid[alive] == cost[alive])
 
 
-@pytest.mark.parametrize("batch_size", [5, 16, 48])
-def test_cascade_evaluation_equals_full_evaluation_per_example(batch_size):
+@pytest.mark.parametrize("batch_size, segments", [(5, 1), (16, 1), (48, 1), (16, 3)])
+def test_cascade_evaluation_equals_full_evaluation_per_example(batch_size, segments):
     params, x, y, eps = _problem(n=37, seed=4)
     atts = _bundles("linf")[1]
     full = evaluate(linear_apply, params, x, y, atts, eps=eps, batch_size=batch_size,
                     mesh=None, goals=("misclassify",))
     cas = evaluate(linear_apply, params, x, y, atts, eps=eps, batch_size=batch_size,
-                   mesh=None, goals=("misclassify",), schedule="cascade")
+                   mesh=None, goals=("misclassify",), schedule="cascade", segments=segments)
     np.testing.assert_array_equal(cas.per_example["success"], full.per_example["success"])
     assert cas.metrics["robust_accuracy"] == full.metrics["robust_accuracy"]
     stages = cas.metrics["schedule"]["stages"]
@@ -98,6 +104,50 @@ def test_cascade_evaluation_equals_full_evaluation_per_example(batch_size):
     assert spent == cas.per_example["gradients"].sum() + cas.per_example["queries"].sum()
     full_cost = full.per_example["gradients"].sum() + full.per_example["queries"].sum()
     assert spent < full_cost
+
+
+def test_segments_stop_fooled_examples_early_and_compact_the_rest():
+    """Per-example radii: zero for the first 24 examples (never fooled, as they are classified
+    correctly), large for the last 24 (fooled at the first step). In 4 segments of PGD-8, the
+    last 24 stop after 2 steps and the first 24 go on, compacted into the 24-row bucket (half
+    of 48); every result equals the full bundle's, and each example pays the steps it ran."""
+    params, x, y, _ = _problem(n=48, seed=8)
+    ok = np.asarray(linear_apply(params, jnp.asarray(x))).argmax(1) == y
+    order = np.argsort(~ok, kind="stable")  # the correctly classified first
+    x, y = x[order], y[order]
+    eps = np.where(np.arange(48) < 24, 0.0, 1.0).astype(np.float32)
+    pgd = attacks_lib.pgd("linf", steps=8, restarts=2)
+    ids = jnp.arange(48, dtype=jnp.int32)
+    full = bundle((pgd,), linear_apply, params, x, y, KEY, eps=eps, example_id=ids)
+    res, stages = cascade((pgd,), linear_apply, params, x, y, KEY, ids, eps, norm="linf",
+                          goal_names=("misclassify",), segments=4)
+    fooled = np.asarray(goals_lib.success("misclassify", res.best["misclassify"].score, eps))
+    np.testing.assert_array_equal(fooled, np.asarray(
+        goals_lib.success("misclassify", full.best["misclassify"].score, eps)))
+    attacked = ok[order]
+    assert attacked[:24].all() and fooled[24:][attacked[24:]].all() and not fooled[:24].any()
+    per_step = pgd.num_restarts * pgd.gradients_per_step
+    expected = np.where(np.arange(48) < 24, 8, 2) * per_step * attacked
+    np.testing.assert_array_equal(np.asarray(res.gradients), expected)
+    # 48 rows for 2 steps, then 24 for 6: 48 * 2 + 24 * 6 = 240 row-steps, 30 whole rows.
+    assert stages[0].rows == 30 and stages[0].gradients == expected.sum()
+    # The stopped examples keep the image found by their last segment: misclassified, in the
+    # box and in the ball (the full bundle may have gone on to a larger margin).
+    adv = np.asarray(res.best["misclassify"].x)[fooled]
+    assert np.all(np.asarray(linear_apply(params, jnp.asarray(adv))).argmax(1) != y[fooled])
+    assert adv.min() >= 0 and adv.max() <= 1
+    assert np.all(np.abs(adv - x[fooled]).reshape(len(adv), -1).max(1) <= eps[fooled] + 1e-6)
+
+
+@pytest.mark.parametrize("segments", [0, -1, 1.5, True, "2"])
+def test_bad_segments_are_one_clear_error(segments):
+    params, x, y, eps = _problem(n=8)
+    with pytest.raises(ValueError, match="segments must be a positive integer"):
+        cascade((attacks_lib.fgsm(),), linear_apply, params, x, y, KEY, jnp.arange(8), eps,
+                norm="linf", goal_names=("misclassify",), segments=segments)
+    with pytest.raises(ValueError, match="segments drop satisfied examples"):
+        evaluate(linear_apply, params, x, y, (attacks_lib.fgsm(),), eps=eps, mesh=None,
+                 goals=("misclassify",), segments=2)
 
 
 def test_bucket_sizes():
@@ -130,8 +180,10 @@ def test_focus_rounds_to_the_nearest_bucket():
         96, 16, 6, 1, 256, 256]
 
 
-def test_no_recompilation_across_batches_and_buckets():
-    """A second evaluation with other data (other survivors, other buckets) compiles nothing."""
+@pytest.mark.parametrize("segments", [1, 3])
+def test_no_recompilation_across_batches_and_buckets(segments):
+    """A second evaluation with other data (other survivors, other buckets) compiles nothing
+    but programs for buckets it sees for the first time."""
     params, x, y, eps = _problem(n=64, seed=5)
     atts = _bundles("linf")[0]
     compiles = []
@@ -144,17 +196,23 @@ def test_no_recompilation_across_batches_and_buckets():
     try:
         run = lambda xs, ys: evaluate(  # noqa: E731
             linear_apply, params, xs, ys, atts, eps=eps, batch_size=16, mesh=None,
-            goals=("misclassify",), schedule="cascade")
+            goals=("misclassify",), schedule="cascade", segments=segments)
         run(x[:32], y[:32])
         first = len(compiles)
         run(x[32:], y[32:])
         other = _problem(n=32, seed=6)
         run(other[1], other[2])
+        seen = len(compiles)
+        run(x[:32], y[:32])  # every shape seen: nothing compiles
+        run(other[1], other[2])
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
     assert first > 0
-    # Buckets seen for the first time may compile once each; nothing else does.
-    assert len(compiles) - first <= 2 * len(bucket_sizes(16))
+    # Buckets seen for the first time may compile once each (a segmented stage: its start,
+    # step, judge and compaction programs); nothing else does.
+    per_bucket = 2 if segments == 1 else 2 + 5
+    assert seen - first <= per_bucket * len(bucket_sizes(16))
+    assert len(compiles) == seen
 
 
 def test_max_confidence_threshold_on_a_linear_model_matches_the_analytic_answer():

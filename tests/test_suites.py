@@ -80,24 +80,23 @@ def test_autoattack_bundle_has_autoattacks_original_parameters():
         sq = aa["square-aa"]
         assert sq.queries == 5000 and sq.config.p_init == 0.8
         assert sq.config.rescale_schedule is False
-    assert suites.BUNDLE_SCHEDULES["autoattack"] == "cascade"
+    assert suites.bundle_schedule("autoattack") == suites.Schedule("cascade")
 
 
 def test_default_bundle_is_a_focused_cascade_within_a_tenth_of_autoattacks_budget():
-    """The main job's default: APGD-CE 20; APGD-CE 100 and APGD-T 3 x 50 on the more promising
-    half of the survivors; AutoAttack's Square on the 8 % most promising; on an example no
-    attack fools it spends under a tenth of what AutoAttack spends (model passes: a gradient
-    is a forward and a backward)."""
+    """The main job's default: APGD-CE 20; APGD-CE 100 and APGD-T 5 x 40 on the more promising
+    half of the survivors; AutoAttack's Square on the 8 % most promising; stages in 6
+    segments; on an example no attack fools it spends under a tenth of what AutoAttack spends
+    (model passes: a gradient is a forward and a backward)."""
     for norm in ("linf", "l2"):
         d = {a.name: a for a in suites.bundle_attacks("default", norm)}
         assert list(d) == ["apgd-ce", "apgd-ce-long", "apgd-t", "square-aa"]
         assert d["apgd-ce"].num_steps == 20 and d["apgd-ce-long"].num_steps == 100
-        assert d["apgd-ce-long"].config.loss == "ce" and d["apgd-t"].num_restarts == 3
-        assert d["apgd-t"].num_steps == 50 and d["square-aa"].kind == "score-based"
-        assert suites.BUNDLE_FOCUS["default"] == {"apgd-ce-long": 0.5, "apgd-t": 0.5,
-                                                  "square-aa": 0.08}
+        assert d["apgd-ce-long"].config.loss == "ce" and d["apgd-t"].num_restarts == 5
+        assert d["apgd-t"].num_steps == 40 and d["square-aa"].kind == "score-based"
+        focus = dict(suites.bundle_schedule("default").focus)
+        assert focus == {"apgd-ce-long": 0.5, "apgd-t": 0.5, "square-aa": 0.08}
         aa = suites.bundle_attacks("autoattack", norm)
-        focus = suites.BUNDLE_FOCUS["default"]
         assert set(focus) <= set(d)
 
         def passes(attack):
@@ -105,5 +104,7 @@ def test_default_bundle_is_a_focused_cascade_within_a_tenth_of_autoattacks_budge
 
         mine = sum(passes(a) * focus.get(a.name, 1.0) for a in d.values())
         assert mine < sum(passes(a) for a in aa) / 10
-    assert suites.BUNDLE_SCHEDULES["default"] == "cascade"
+    assert suites.bundle_schedule("default").mode == "cascade"
+    assert suites.bundle_schedule("default").segments == 6
+    assert suites.bundle_schedule("pgd") == suites.Schedule()
     assert "fmn" in {a.name for a in suites.bundle_attacks("broad", "linf")}

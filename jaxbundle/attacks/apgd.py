@@ -66,7 +66,7 @@ class APGDState(NamedTuple):
     increases: jax.Array  # int32 [B] loss increases since the last checkpoint
     loss_best_at_check: jax.Array  # [B] best loss at the last checkpoint
     halved_at_check: jax.Array  # bool [B] whether eta was halved at the last checkpoint
-    k: jax.Array  # int32 [] iteration counter
+    k: jax.Array  # int32 [B] iteration counter (the same for every example)
 
 
 def checkpoints(num_steps: int) -> tuple[int, ...]:
@@ -133,7 +133,7 @@ def init(config: APGDConfig, keys, x0, y, eps, model, restart) -> APGDState:
         increases=jnp.zeros(y.shape, jnp.int32),
         loss_best_at_check=neg_inf,
         halved_at_check=jnp.zeros(y.shape, bool),
-        k=jnp.zeros((), jnp.int32),
+        k=jnp.zeros(y.shape, jnp.int32),
     )
 
 
@@ -163,7 +163,7 @@ def step(config: APGDConfig, state: APGDState, model: WhiteBoxModel):
 
     direction = norms.normalize(g, config.norm)
     z = norms.project(x + norms.per_example(eta, direction) * direction, s.x0, s.eps, config.norm)
-    a = jnp.where(s.k == 0, 1.0, 1.0 - config.momentum)
+    a = norms.per_example(jnp.where(s.k == 0, 1.0, 1.0 - config.momentum), x)
     x_new = norms.project(x + a * (z - x) + (1.0 - a) * (x - x_prev), s.x0, s.eps, config.norm)
 
     new = s._replace(
