@@ -73,6 +73,9 @@ class BundleResult(NamedTuple):
     attack_success: jax.Array  # bool [A, B]: each attack alone (misclassify goal, verified)
     attack_distortion: jax.Array  # [A, B]: each attack's smallest verified adversarial
     #   distortion (min-norm goal if tracked, else its success within eps; inf: none)
+    attack_step: jax.Array  # int32 [A, B]: the step of each attack's best verified misclassify
+    #   candidate; -1: none beat the clean image (the attack never moved the margin up);
+    #   -2: the attack did not run on the example (a cascade)
     gradients: jax.Array  # int32 [B]: gradient evaluations spent per example
     queries: jax.Array  # int32 [B]: black-box model queries spent per example
     judged_on_grid: jax.Array  # bool [B]: judged on the 8-bit grid (else in float32)
@@ -243,17 +246,20 @@ def _judged(
     attack: Attack, found: dict[str, BestState], model: WhiteBoxModel, x: jax.Array,
     y: jax.Array, eps: jax.Array, norm: str, grid: jax.Array, clean: BestState,
     goal_names: tuple[str, ...],
-) -> tuple[dict[str, BestState], jax.Array, jax.Array]:
+) -> tuple[dict[str, BestState], jax.Array, jax.Array, jax.Array]:
     """An attack's bests verified (:func:`jaxbundle.judge.verify`) and offered to every goal,
-    with its verified success (misclassify) and smallest verified distortion per example."""
+    with its verified success (misclassify), smallest verified distortion and the step of its
+    best misclassify candidate (-1: the clean image's stayed best) per example."""
     # A black-box attack's image is judged as it queried it: no uncounted stretching.
     stretch = (1.0,) if attack.black_box else STRETCH
     found = {
         g: verify(found[g], g, model, x, y, eps, norm, grid, clean, stretch) for g in goal_names
     }
     found = _cross_fold(goal_names, eps, found)
-    success = goals_lib.success("misclassify", found["misclassify"].score, eps)
-    return found, success, _smallest_distortion(found, eps)
+    mis = found["misclassify"]
+    success = goals_lib.success("misclassify", mis.score, eps)
+    step = jnp.where(mis.attack >= 0, mis.step, -1)
+    return found, success, _smallest_distortion(found, eps), step
 
 
 def _setup(params, x, y, eps, apply_fn, norm, judging):
@@ -298,7 +304,7 @@ def _bundle(
     keys = per_example_keys(key, example_id)
     clean = candidate_state(x, model.logits(x), x, y, norm, -1, 0, 0)
     best = {g: clean for g in goal_names}
-    successes, distortions = [], []
+    successes, distortions, steps = [], [], []
     for index, attack in zip(indices or range(len(attacks)), attacks):
         # every attack starts alone from the clean image
         running = _start_attack(attack, index, model, keys, x, y, eps, clean, goal_names,
@@ -307,10 +313,11 @@ def _bundle(
                                 0, attack.num_steps, unroll, restart_mode)
         found = _attack_best(attack, index, model, x, y, eps, norm, goal_names, running,
                              attack.num_steps, restart_mode)
-        found, success, distortion = _judged(attack, found, model, x, y, eps, norm, grid, clean,
-                                             goal_names)
+        found, success, distortion, step = _judged(attack, found, model, x, y, eps, norm, grid,
+                                                   clean, goal_names)
         successes.append(success)
         distortions.append(distortion)
+        steps.append(step)
         best = _fold_each(goal_names, eps, best, found)
 
     gradients = sum(a.gradients for a in attacks)
@@ -319,6 +326,7 @@ def _bundle(
         clean=clean.score,
         attack_success=jnp.stack(successes),
         attack_distortion=jnp.stack(distortions),
+        attack_step=jnp.stack(steps).astype(jnp.int32),
         gradients=jnp.full(y.shape, gradients, dtype=jnp.int32),
         queries=jnp.full(y.shape, sum(a.queries for a in attacks), dtype=jnp.int32),
         judged_on_grid=grid,
@@ -351,10 +359,10 @@ def step_stage(params, running, x, y, eps, t0, t1, *, apply_fn, attack, index, g
 
 @functools.partial(jax.jit, static_argnames=_JUDGE_STATIC)
 def judge_stage(params, running, x, y, eps, t, *, apply_fn, attack, index, goal_names, norm,
-                judging, restart_mode, last) -> tuple[dict[str, BestState], jax.Array, jax.Array]:
+                judging, restart_mode, last) -> tuple:
     """A stage's verified bests after ``t`` steps, as :func:`_bundle` judges an attack's:
-    ``(best per goal, success [B], smallest distortion [B])``; the current iterate is
-    evaluated only after the ``last`` step."""
+    ``(best per goal, success [B], smallest distortion [B], best step [B])``; the current
+    iterate is evaluated only after the ``last`` step."""
     x, y, eps, grid, model = _setup(params, x, y, eps, apply_fn, norm, judging)
     found = _attack_best(attack, index, model, x, y, eps, norm, goal_names, running, t,
                          restart_mode, iterate=last)

@@ -31,6 +31,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxbundle import checks as checks_lib
 from jaxbundle import curves
 from jaxbundle import data as data_lib
 from jaxbundle import files as files_lib
@@ -80,6 +81,7 @@ def per_example_arrays(
         "winning_step": mis.step,
         "attack_success": result.attack_success.T,  # [B, A]
         "attack_distortion": result.attack_distortion.T,  # [B, A], inf: not fooled
+        "attack_step": result.attack_step.T,  # [B, A]: step of each attack's best candidate
         # A misclassified clean image's top probability is its highest wrong-class one.
         "clean_wrong_confidence": jnp.where(
             result.clean.misclassified, result.clean.confidence, 0.0
@@ -179,23 +181,24 @@ def _evaluate_batch(
         example_id=example_id, judging=judging, unroll=unroll, restart_mode=restart_mode,
         validate=False,
     )
-    return _summary(result, x, y, example_id, mask, eps, attacks, mesh)
+    return _summary(result, x, y, example_id, mask, eps, attacks, mesh, apply_fn, params)
 
 
-def _summary(result, x, y, example_id, mask, eps, attacks, mesh):
+def _summary(result, x, y, example_id, mask, eps, attacks, mesh, apply_fn, params):
     """A batch's counts and per-example outputs, replicated on every device under a mesh."""
     black_box = tuple(a.black_box for a in attacks)
     eps_b = jnp.full(y.shape, eps, jnp.float32)
-    outputs = dict(per_example_arrays(result, x, eps_b, black_box), label=y, example_id=example_id)
+    outputs = dict(per_example_arrays(result, x, eps_b, black_box), label=y, example_id=example_id,
+                   zero_gradient=checks_lib.zero_gradients(apply_fn, params, x, y))
     out = (Counts.from_result(result, mask, eps_b, black_box), outputs)
     if mesh is not None:
         out = jax.lax.with_sharding_constraint(out, NamedSharding(mesh, PartitionSpec()))
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("attacks", "mesh"))
-def _summarise(result, x, y, example_id, mask, eps, *, attacks, mesh):
-    return _summary(result, x, y, example_id, mask, eps, attacks, mesh)
+@functools.partial(jax.jit, static_argnames=("attacks", "mesh", "apply_fn"))
+def _summarise(result, params, x, y, example_id, mask, eps, *, attacks, mesh, apply_fn):
+    return _summary(result, x, y, example_id, mask, eps, attacks, mesh, apply_fn, params)
 
 
 def describe(value: Any) -> Any:
@@ -490,6 +493,7 @@ def evaluate_source(
         data=source.describe(), n=n, model=params_digest(params), images=keep_images,
         apply_fn=describe(apply_fn),
     )
+    local_params, model_checks = params, None  # the model checks run on the first batch
     sharding = None
     if mesh is not None:
         devices = mesh.devices.size
@@ -528,6 +532,8 @@ def evaluate_source(
     for index in range(state.batches_done, total):
         batch = data_lib.local_batch(source, index, batch_size, *process)
         bx = data_lib.to_unit_float(batch.x)
+        if index == 0:  # on this process's rows of the first batch, unsharded parameters
+            model_checks = checks_lib.model_checks(apply_fn, local_params, bx[:8])
         classes = check_inputs(apply_fn, params, bx, batch.y, eps_value, judging=judging)
         if not checked_classes and source.num_classes not in (None, classes):
             raise ValueError(
@@ -559,7 +565,8 @@ def evaluate_source(
             )
             stage_counts = np.asarray([s[1:] for s in stages], np.int64)
             batch_counts, outputs = _summarise(
-                result, *arrays, jnp.float32(eps_value), attacks=attacks, mesh=mesh
+                result, params, *arrays, jnp.float32(eps_value), attacks=attacks, mesh=mesh,
+                apply_fn=apply_fn,
             )
         # Every output is replicated: each process reads its own full copy.
         counts = state.counts.merge(jax.tree.map(np.asarray, batch_counts))
@@ -595,6 +602,16 @@ def evaluate_source(
         "statement": judge.statement(judging, eps_value, norm, on_grid, n),
     }
     metrics["data"] = {"name": source.name, "n": n}
+    per_example["check_flags"] = checks_lib.example_flags(per_example, attacks)
+    if model_checks is None:  # resumed: the first batch came from the checkpoint
+        first = data_lib.local_batch(source, 0, batch_size, *process)
+        model_checks = checks_lib.model_checks(apply_fn, local_params,
+                                               data_lib.to_unit_float(first.x)[:8])
+    metrics["checks"] = checks_lib.summarise(
+        model_checks, per_example["check_flags"], attacks,
+        int(np.sum(per_example["clean_prediction"] == per_example["label"])),
+    )
+    metrics["check_flag_names"] = list(checks_lib.FLAG_NAMES)
     metrics.update(curve_metrics(per_example, attacks, norm))
     metrics["schedule"] = {"mode": schedule}
     if schedule == "cascade":

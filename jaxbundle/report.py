@@ -24,6 +24,9 @@ Schema of ``report.json`` (version 1)::
           "white_box_robust_accuracy": float | null,  # bundle of the white-box attacks alone
           "black_box_robust_accuracy": float | null,  # bundle of the black-box attacks alone
           "black_box_only": int,           # examples only a black-box attack fooled (masking?)
+          "checks": {"<check>": {"passed": bool, "saw": str, "means": str, "advice": str,
+                                 "examples": int | null}},  # jaxbundle.checks
+          "check_flag_names": [str],       # the columns of the npz's check_flags
           "operating_characteristic": {"grid": [D...], "white_box" | "black_box" | "bundled": [P(D)...]},
           "half_distortion": {"white_box" | "black_box" | "bundled":
                               {"d_half": float | "inf" | null, "fooled_fraction": float, "n_correct": int}},
@@ -51,7 +54,10 @@ adversarial image), ``winning_attack`` (index into ``attack_names``; -1 = the cl
 was judged on the 8-bit grid, else float32), ``max_wrong_confidence`` and ``min_distortion``
 (``inf`` where no misclassified candidate was found), ``attack_distortion`` (``[n, A]``, each
 attack's smallest verified adversarial distortion, ``inf``: none), ``min_distortion_white_box``
-/ ``_black_box`` / ``_bundled``, ``clean_wrong_confidence``, and ``attack_names``.
+/ ``_black_box`` / ``_bundled``, ``clean_wrong_confidence``, ``attack_step`` (``[n, A]``, the
+step of each attack's best candidate; -1: it never beat the clean image, -2: it did not run),
+``zero_gradient`` (bool: the clean cross-entropy gradient is exactly zero), ``check_flags``
+(``[n, F]`` bool, the per-example checks named by ``check_flag_names``), and ``attack_names``.
 
 Infinite values (a D1/2 when under half the examples are ever fooled) are written as the string
 ``"inf"``: JSON has no infinity, and a NaN never stands for a number here. ``report.md`` holds
@@ -186,6 +192,18 @@ def _half_text(h: dict | None) -> str:
     return _fmt(h["d_half"], 3)
 
 
+def check_lines(checks: dict[str, dict]) -> list[str]:
+    """The trustworthiness checks in a few lines: how many passed, then each failure."""
+    failed = {k: c for k, c in checks.items() if not c["passed"]}
+    if not checks:
+        return []
+    lines = [f"checks: {len(checks) - len(failed)} of {len(checks)} passed"
+             + ("" if failed else " (" + ", ".join(checks) + ")")]
+    for name, c in failed.items():
+        lines.append(f"check {name} FAILED: {c['saw']}; {c['means']}; try: {c['advice']}")
+    return lines
+
+
 def markdown(report: dict) -> str:
     """The report as Markdown: per model the attack table, D1/2, shifts and the figures."""
     c = report["config"]
@@ -218,6 +236,12 @@ def markdown(report: dict) -> str:
             f"Fooled only by black-box attacks: {m.get('black_box_only', 0)} examples.",
             "",
         ]
+        checks = m.get("checks", {})
+        if checks:
+            lines += ["| check | passed | saw | means / try |", "|---|---|---|---|"]
+            lines += [f"| {k} | {'yes' if c['passed'] else '**no**'} | {c['saw']} | "
+                      f"{c['means']}; try: {c['advice']} |" for k, c in checks.items()]
+            lines.append("")
         half = m.get("half_distortion", {})
         if half:
             lines += ["| half-distortion D1/2 (" + m["norm"] + ") | value |", "|---|---|"]
@@ -262,6 +286,8 @@ def print_tables(console: Console, results: dict[str, tuple[Evaluation, float]])
         m = evaluation.metrics
         console.print(table(name, m))
         console.print(f"  judged: {m['judging']['statement']}", highlight=False, soft_wrap=True)
+        for line in check_lines(m.get("checks", {})):
+            console.print(f"  {line}", highlight=False, soft_wrap=True)
         half = m.get("half_distortion")
         if half:
             console.print(

@@ -232,6 +232,7 @@ class _Outcome(NamedTuple):
     best: dict[str, BestState]
     success: jax.Array
     distortion: jax.Array
+    best_step: jax.Array
     steps: np.ndarray
     row_steps: int
 
@@ -242,7 +243,7 @@ def _padded(order: np.ndarray, size: int) -> np.ndarray:
 
 
 def _whole_stage(b: _Batch, attack: Attack, k: int, order: np.ndarray, best, success,
-                 distortion) -> _Outcome:
+                 distortion, best_step) -> _Outcome:
     """Attack ``k`` on the rows ``order``, all its steps in one program."""
     rows = _padded(order, _bucket(b.sizes, order.size))
     sub_x, sub_y, sub_id, sub_eps = _take((b.x, b.y, b.example_id, b.eps), rows)
@@ -257,12 +258,13 @@ def _whole_stage(b: _Batch, attack: Attack, k: int, order: np.ndarray, best, suc
         _merge(best, b.eps_aimed, rows, found.best, goal_names=b.goal_names),
         _put(success, rows, found.attack_success[0]),
         _put(distortion, rows, found.attack_distortion[0]),
+        _put(best_step, rows, found.attack_step[0]),
         steps, rows.size * attack.num_steps,
     )
 
 
 def _segmented_stage(b: _Batch, attack: Attack, k: int, order: np.ndarray, best, success,
-                     distortion, segments: int) -> _Outcome:
+                     distortion, best_step, segments: int) -> _Outcome:
     """Attack ``k`` on the rows ``order`` in up to ``segments`` runs of its steps. After each,
     the rows whose goal is satisfied stop; the others are compacted into a bucket at most half
     the size of the current one once they fit (fewer shapes to compile), else they go on in
@@ -286,18 +288,19 @@ def _segmented_stage(b: _Batch, attack: Attack, k: int, order: np.ndarray, best,
         row_steps += rows.size * (t1 - t)
         t = t1
         last = t == attack.num_steps
-        found, found_success, found_distortion = bundler.judge_stage(
+        judged = bundler.judge_stage(
             b.params, running, x, y, eps, jnp.int32(t), last=last, **static
         )
         # A row that stopped earlier keeps its result: its repeats here merge the same values.
         keep = _padded(np.flatnonzero(live), rows.size) if not live.all() else None
         merged_rows = rows if keep is None else rows[keep]
-        found_rows = (found, found_success, found_distortion)
         if keep is not None:
-            found_rows = _take(found_rows, jnp.asarray(keep))
-        best = _merge(best, b.eps_aimed, merged_rows, found_rows[0], goal_names=b.goal_names)
-        success = _put(success, merged_rows, found_rows[1])
-        distortion = _put(distortion, merged_rows, found_rows[2])
+            judged = _take(judged, jnp.asarray(keep))
+        found, found_success, found_distortion, found_step = judged
+        best = _merge(best, b.eps_aimed, merged_rows, found, goal_names=b.goal_names)
+        success = _put(success, merged_rows, found_success)
+        distortion = _put(distortion, merged_rows, found_distortion)
+        best_step = _put(best_step, merged_rows, found_step)
         if last:
             break
         done, _ = b.host(_status(best, b.eps, b.goal, b.threshold, False))  # 1 sync
@@ -311,7 +314,7 @@ def _segmented_stage(b: _Batch, attack: Attack, k: int, order: np.ndarray, best,
             rows = rows[positions]
             sub = _take(sub, jnp.asarray(positions))
             live = np.arange(size) < int(live.sum())
-    return _Outcome(best, success, distortion, steps, row_steps)
+    return _Outcome(best, success, distortion, best_step, steps, row_steps)
 
 
 def cascade(
@@ -378,6 +381,7 @@ def cascade(
                bucket_sizes(batch, 1 if mesh is None else mesh.devices.size), _host_reader(mesh))
     success = jnp.zeros((len(attacks), batch), bool)
     distortion = jnp.full((len(attacks), batch), jnp.inf, jnp.float32)
+    best_step = jnp.full((len(attacks), batch), -2, jnp.int32)  # -2: did not run
     spent = np.zeros(batch, np.int64)  # model passes per example so far (host)
     gradients = np.zeros(batch, np.int64)
     queries = np.zeros(batch, np.int64)
@@ -400,7 +404,7 @@ def cascade(
         if order.size == 0:
             stages.append(Stage(k, 0, 0, 0, 0))
             continue
-        args = (b, attack, k, order, best, success[k], distortion[k])
+        args = (b, attack, k, order, best, success[k], distortion[k], best_step[k])
         # A minimum-norm attack is never done (a smaller distortion is always better).
         if segments > 1 and attack.num_steps >= segments and "min_norm" not in (goal, attack.goal):
             out = _segmented_stage(*args, segments)
@@ -409,7 +413,9 @@ def cascade(
         best = out.best
         success = success.at[k].set(out.success)
         distortion = distortion.at[k].set(out.distortion)
-        ran = out.steps > 0
+        best_step = best_step.at[k].set(out.best_step)
+        ran = np.zeros(batch, bool)
+        ran[order] = True
         grads = attack.num_restarts * attack.gradients_per_step * out.steps
         asked = attack.num_restarts * (attack.init_queries + attack.queries_per_step * out.steps)
         asked = np.where(ran, asked, 0)
@@ -422,7 +428,8 @@ def cascade(
                             int(np.sum(grads[real])), int(np.sum(asked[real]))))
     result = BundleResult(
         best=best, clean=clean, attack_success=success, attack_distortion=distortion,
-        gradients=jnp.asarray(gradients, jnp.int32), queries=jnp.asarray(queries, jnp.int32),
+        attack_step=best_step, gradients=jnp.asarray(gradients, jnp.int32),
+        queries=jnp.asarray(queries, jnp.int32),
         judged_on_grid=grid,
     )
     return result, stages

@@ -1,0 +1,200 @@
+"""Trustworthiness checks: signs that an evaluation's robust accuracy may be too high.
+
+Computed in the same run as the evaluation and reported with it (``metrics["checks"]``: one
+entry per check with whether it passed, what it saw, what a failure means and what to try; the
+per-example ones also as columns of ``per_example["check_flags"]``, named by
+``metrics["check_flag_names"]``).
+
+Model checks (AutoAttack's, Croce & Hein 2020), on the first images (up to 8) of the first batch
+read:
+
+``randomness``
+    The same input twice gives different outputs: the model is random at test time.
+``probabilities``
+    The outputs lie in [0, 1] and sum to 1: the model returns probabilities, not logits, and
+    losses computed on them saturate.
+``changes_between_calls``
+    The outputs on an input change after the model has seen other inputs (while two calls in a
+    row agree): the model keeps state across calls (a batch-norm in training mode, a cache).
+
+Per-example checks, over every example:
+
+``zero_gradients``
+    The cross-entropy gradient at a correctly classified clean image is exactly zero
+    (a quantising input layer, a saturated softmax): gradient attacks are blind there.
+``black_box_beats_white_box``
+    A black-box attack fooled an example that no white-box attack fooled: the gradients mislead.
+
+The indicators of attack failure of Pintor et al. (NeurIPS 2022), from each white-box attack's
+best candidate (``per_example["attack_step"]``) on the examples it did not fool:
+
+``silent``
+    No candidate of the attack beat the clean image's margin: the attack never moved the loss.
+``unbounded_incomplete``
+    A minimum-norm attack, which is not bound by eps, found no adversarial example at any
+    distortion: P(D) must reach 1 as D grows, so the attack failed, not the model.
+
+Not built: Pintor et al.'s "loss still improving at the last step" needs the loss over the
+steps, which the bundler does not keep (where the best candidate came is no guide: on a robust
+model an attack's margin creeps up to its last step on most examples); nor the non-monotone-eps
+and transfer indicators.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxbundle.attacks.base import Attack
+
+__all__ = ["Check", "FLAG_NAMES", "model_checks", "zero_gradients", "example_flags", "summarise"]
+
+# Per-example flags, in the order of per_example["check_flags"]'s columns.
+FLAG_NAMES = ("zero_gradients", "black_box_beats_white_box", "silent", "unbounded_incomplete")
+
+
+class Check(NamedTuple):
+    """One check's outcome (plain Python values: it goes into report.json as it is)."""
+
+    passed: bool
+    saw: str  # what it saw, with the numbers
+    means: str  # what a failure means
+    advice: str  # what to try
+    examples: int | None = None  # examples flagged (per-example checks)
+
+
+_TEXT = {
+    "randomness": (
+        "the model is random at test time: one call's verdict does not hold for the next",
+        "judge over many calls and average gradients over samples (EOT); report the success "
+        "rate over fresh calls",
+    ),
+    "probabilities": (
+        "the model returns probabilities: losses on them saturate and gradients vanish",
+        "pass the logits (drop the final softmax) to the attacks",
+    ),
+    "changes_between_calls": (
+        "the model keeps state across calls: results depend on what it saw before",
+        "make apply_fn pure (batch-norm in inference mode, no caches)",
+    ),
+    "zero_gradients": (
+        "gradient attacks cannot move from these images: their failure says nothing",
+        "use black-box attacks (square, rays) or a differentiable approximation (BPDA)",
+    ),
+    "black_box_beats_white_box": (
+        "gradients mislead the white-box attacks (gradient masking)",
+        "trust the black-box or bundled figure; try more restarts, other losses, BPDA, EOT",
+    ),
+    "silent": (
+        "the attack never raised the loss above the clean image's: it was broken, not the model",
+        "check the gradients (scale, masking); try another loss or a random start",
+    ),
+    "unbounded_incomplete": (
+        "an attack without an eps bound must fool every example at some distortion",
+        "more steps or another minimum-norm attack; check for masked gradients",
+    ),
+}
+
+
+def _check(name: str, passed: bool, saw: str, examples: int | None = None) -> Check:
+    means, advice = _TEXT[name]
+    return Check(bool(passed), saw, means, advice, examples)
+
+
+def model_checks(apply_fn: Callable[[Any, jax.Array], jax.Array], params: Any,
+                 x: np.ndarray) -> dict[str, Check]:
+    """The model-level checks on a batch of clean images ``x`` (a few forward passes)."""
+    x = jnp.asarray(x, jnp.float32)
+    call = lambda images: np.asarray(apply_fn(params, images), np.float64)  # noqa: E731
+    call(x)  # a first call, in case the model sets itself up lazily
+    first = call(x)
+    again = call(x)
+    call(jnp.flip(x, axis=0) * 0.5)  # other inputs in between
+    after = call(x)
+    random_gap = float(np.max(np.abs(first - again)))
+    state_gap = float(np.max(np.abs(again - after)))
+    in_unit = bool(np.all((first >= 0) & (first <= 1)))
+    sums_to_one = bool(np.all(np.abs(first.sum(axis=-1) - 1.0) < 1e-4))
+    return {
+        "randomness": _check(
+            "randomness", random_gap == 0.0,
+            f"two calls on the same images differ by up to {random_gap:.3g}"),
+        "probabilities": _check(
+            "probabilities", not (in_unit and sums_to_one),
+            f"outputs all in [0, 1]: {in_unit}; every row sums to 1: {sums_to_one}"),
+        "changes_between_calls": _check(
+            "changes_between_calls", random_gap > 0.0 or state_gap == 0.0,
+            f"after other inputs the outputs moved by up to {state_gap:.3g} (two calls in a row:"
+            f" {random_gap:.3g})"),
+    }
+
+
+def zero_gradients(apply_fn: Callable[[Any, jax.Array], jax.Array], params: Any,
+                   x: jax.Array, y: jax.Array) -> jax.Array:
+    """Per example ``[B]``: whether the cross-entropy gradient at ``x`` is exactly zero
+    (traceable: the evaluation computes it inside its per-batch summary)."""
+
+    def loss(images):
+        logits = apply_fn(params, images).astype(jnp.float32)
+        return jnp.sum(-jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))
+
+    grad = jax.grad(loss)(x.astype(jnp.float32))
+    return jnp.all(grad.reshape(grad.shape[0], -1) == 0, axis=1)
+
+
+def example_flags(per_example: dict[str, np.ndarray], attacks: Sequence[Attack]) -> np.ndarray:
+    """``[n, len(FLAG_NAMES)]`` bool: each per-example check's flag (correctly classified
+    examples only)."""
+    correct = per_example["clean_prediction"] == per_example["label"]
+    step = per_example["attack_step"]  # [n, A]
+    success = per_example["attack_success"].astype(bool)
+    distortion = per_example["attack_distortion"]
+    n = len(correct)
+    silent = np.zeros(n, bool)
+    unbounded = np.zeros(n, bool)
+    for k, a in enumerate(attacks):
+        ran = correct & (step[:, k] >= -1)
+        if a.goal == "min_norm":
+            unbounded |= ran & ~np.isfinite(distortion[:, k])
+        elif not a.black_box:
+            silent |= ran & ~success[:, k] & (step[:, k] == -1)
+    return np.stack([
+        correct & per_example["zero_gradient"].astype(bool),
+        correct & per_example["black_box_only"].astype(bool),
+        silent, unbounded,
+    ], axis=1)
+
+
+def summarise(model: dict[str, Check], flags: np.ndarray, attacks: Sequence[Attack],
+              correct: int) -> dict[str, dict]:
+    """Every check as report.json holds it (``metrics["checks"]``)."""
+    counts = dict(zip(FLAG_NAMES, (int(c) for c in flags.sum(axis=0))))
+    white = any(not a.black_box for a in attacks)
+    black = any(a.black_box for a in attacks)
+    bounded_white = any(not a.black_box and a.goal != "min_norm" for a in attacks)
+    unbounded = any(a.goal == "min_norm" for a in attacks)
+    of = f"of {correct} correctly classified examples"
+    out = dict(model)
+    out["zero_gradients"] = _check(
+        "zero_gradients", counts["zero_gradients"] == 0,
+        f"{counts['zero_gradients']} {of} have an all-zero input gradient",
+        counts["zero_gradients"])
+    if white and black:
+        out["black_box_beats_white_box"] = _check(
+            "black_box_beats_white_box", counts["black_box_beats_white_box"] == 0,
+            f"{counts['black_box_beats_white_box']} {of} were fooled by a black-box attack "
+            "and by no white-box attack", counts["black_box_beats_white_box"])
+    if bounded_white:
+        out["silent"] = _check(
+            "silent", counts["silent"] == 0,
+            f"on {counts['silent']} {of} a white-box attack failed without ever beating the "
+            "clean image's margin", counts["silent"])
+    if unbounded:
+        out["unbounded_incomplete"] = _check(
+            "unbounded_incomplete", counts["unbounded_incomplete"] == 0,
+            f"a minimum-norm attack found no adversarial example for "
+            f"{counts['unbounded_incomplete']} {of}", counts["unbounded_incomplete"])
+    return {name: check._asdict() for name, check in out.items()}

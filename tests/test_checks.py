@@ -1,0 +1,114 @@
+"""The trustworthiness checks: a clean model trips none; models built to trip each check do."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxbundle import attacks as attacks_lib
+from jaxbundle import checks, suites
+from jaxbundle.evaluate import evaluate
+from jaxbundle.report import check_lines, markdown
+from toys import images, linear_apply, linear_problem, min_distance
+
+
+def _problem(n=32, seed=2):
+    params, x, y = linear_problem(n=n, k=4, seed=seed)
+    eps = float(np.quantile(min_distance(params, x, y, "linf"), 0.5))
+    return params, np.asarray(images(x)), y, eps
+
+
+def _run(apply_fn, params, x, y, eps, bundle):
+    return evaluate(apply_fn, params, x, y, bundle, eps=eps, mesh=None, batch_size=16,
+                    judging="float")
+
+
+def _failed(result) -> set[str]:
+    return {k for k, c in result.metrics["checks"].items() if not c["passed"]}
+
+
+def test_a_clean_model_trips_no_check():
+    params, x, y, eps = _problem()
+    bundle = (attacks_lib.pgd("linf", steps=40, loss="margin"), suites.attack("square", "linf"),
+              suites.attack("fmn", "linf", steps=30))
+    r = _run(linear_apply, params, x, y, eps, bundle)
+    assert set(r.metrics["checks"]) == {
+        "randomness", "probabilities", "changes_between_calls", "zero_gradients",
+        "black_box_beats_white_box", "silent", "unbounded_incomplete"}
+    assert _failed(r) == set()
+    assert r.per_example["check_flags"].shape == (32, len(checks.FLAG_NAMES))
+    assert not r.per_example["check_flags"].any()
+    assert r.metrics["check_flag_names"] == list(checks.FLAG_NAMES)
+    assert check_lines(r.metrics["checks"])[0].startswith("checks: 7 of 7 passed")
+
+
+def test_a_quantising_input_layer_zeroes_gradients_and_silences_white_box_attacks():
+    """Rounding the input to 8 levels: every input gradient is exactly zero, so FGSM never
+    moves and FMN finds nothing at any distortion, while Square, which needs no gradient,
+    fools examples they cannot."""
+    params, x, y, eps = _problem()
+    quantised = lambda p, v: linear_apply(p, jnp.round(v * 8) / 8)  # noqa: E731
+    bundle = (attacks_lib.fgsm("linf"), suites.attack("fmn", "linf", steps=20),
+              suites.attack("square", "linf"))
+    r = _run(quantised, params, x, y, 2 * eps, bundle)
+    failed = _failed(r)
+    assert {"zero_gradients", "silent", "unbounded_incomplete",
+            "black_box_beats_white_box"} <= failed
+    assert not {"randomness", "probabilities", "changes_between_calls"} & failed
+    flags = dict(zip(checks.FLAG_NAMES, r.per_example["check_flags"].T))
+    correct = r.per_example["clean_prediction"] == r.per_example["label"]
+    np.testing.assert_array_equal(flags["zero_gradients"], correct)
+    np.testing.assert_array_equal(flags["unbounded_incomplete"], correct)
+    fooled_fgsm = r.per_example["attack_success"][:, 0].astype(bool)
+    np.testing.assert_array_equal(flags["silent"], correct & ~fooled_fgsm)
+    np.testing.assert_array_equal(flags["black_box_beats_white_box"],
+                                  correct & r.per_example["black_box_only"].astype(bool))
+    assert r.metrics["checks"]["zero_gradients"]["examples"] == correct.sum()
+    text = "\n".join(check_lines(r.metrics["checks"]))
+    assert "check zero_gradients FAILED" in text and "try:" in text
+
+
+def test_a_model_returning_probabilities_is_flagged():
+    params, x, y, eps = _problem()
+    probs = lambda p, v: jax.nn.softmax(linear_apply(p, v))  # noqa: E731
+    r = _run(probs, params, x, y, eps, (attacks_lib.fgsm("linf"),))
+    assert "probabilities" in _failed(r)
+    assert "logits" in r.metrics["checks"]["probabilities"]["advice"]
+
+
+def test_a_model_with_test_time_noise_is_flagged_random():
+    params, x, y, eps = _problem()
+    rng = np.random.default_rng(0)
+    noisy = lambda p, v: linear_apply(p, v) + rng.normal(0, 0.1, (v.shape[0], 4))  # noqa: E731
+    got = checks.model_checks(noisy, params, x)
+    assert not got["randomness"].passed and got["changes_between_calls"].passed
+    assert "EOT" in got["randomness"].advice
+
+
+def test_a_model_that_keeps_state_across_calls_is_flagged():
+    """Its output depends on the previous batch it saw (like a batch-norm in training mode):
+    two calls in a row agree, but not after other inputs."""
+    params, x, y, eps = _problem()
+    seen = {"mean": 0.0}
+
+    def stateful(p, v):
+        out = linear_apply(p, v) + 0.5 * jnp.abs(jnp.mean(v) - seen["mean"])
+        seen["mean"] = jnp.mean(v)
+        return out
+
+    got = checks.model_checks(stateful, params, x)
+    assert got["randomness"].passed and not got["changes_between_calls"].passed
+    assert got["probabilities"].passed
+
+
+@pytest.mark.parametrize("schedule", ["full", "cascade"])
+def test_checks_in_the_report(schedule, tmp_path):
+    params, x, y, eps = _problem()
+    r = evaluate(linear_apply, params, x, y, (attacks_lib.fgsm("linf"),), eps=eps, mesh=None,
+                 schedule=schedule)
+    report = {"config": {}, "models": {"m": dict(r.metrics, figures={})}}
+    text = markdown(report)
+    assert "| check | passed | saw | means / try |" in text
+    assert "| zero_gradients | yes |" in text
