@@ -34,10 +34,18 @@ best candidate (``per_example["attack_step"]``) on the examples it did not fool:
     A minimum-norm attack, which is not bound by eps, found no adversarial example at any
     distortion: P(D) must reach 1 as D grows, so the attack failed, not the model.
 
+Two more, where the job computes what they need (:func:`add`):
+
+``transfer_beats_white_box`` (with ``--surrogate``)
+    The transfer of a surrogate's adversarial images fooled an example that no white-box attack
+    on the model itself fooled: the model's own gradients mislead.
+``non_monotone`` (with ``--best-effort``)
+    The bisection on eps fooled an example at a radius at most eps, but the evaluation at eps
+    did not: a larger eps gave a lower success, so the attacks failed at eps.
+
 Not built: Pintor et al.'s "loss still improving at the last step" needs the loss over the
 steps, which the bundler does not keep (where the best candidate came is no guide: on a robust
-model an attack's margin creeps up to its last step on most examples); nor the non-monotone-eps
-and transfer indicators.
+model an attack's margin creeps up to its last step on most examples).
 """
 
 from __future__ import annotations
@@ -50,7 +58,10 @@ import numpy as np
 
 from jaxbundle.attacks.base import Attack
 
-__all__ = ["Check", "FLAG_NAMES", "model_checks", "zero_gradients", "example_flags", "summarise"]
+__all__ = [
+    "Check", "FLAG_NAMES", "model_checks", "zero_gradients", "example_flags", "summarise", "add",
+    "white_box_success",
+]
 
 # Per-example flags, in the order of per_example["check_flags"]'s columns.
 FLAG_NAMES = ("zero_gradients", "black_box_beats_white_box", "silent", "unbounded_incomplete")
@@ -95,6 +106,15 @@ _TEXT = {
     "unbounded_incomplete": (
         "an attack without an eps bound must fool every example at some distortion",
         "more steps or another minimum-norm attack; check for masked gradients",
+    ),
+    "transfer_beats_white_box": (
+        "another model's gradients fool it where its own do not (gradient masking)",
+        "trust the transfer or bundled figure; try BPDA, EOT, other losses",
+    ),
+    "non_monotone": (
+        "success fell as eps grew: the attacks at eps were stopped by the optimisation, not "
+        "by the model",
+        "more steps or restarts at eps; report the bisected (best-effort) figure",
     ),
 }
 
@@ -198,3 +218,21 @@ def summarise(model: dict[str, Check], flags: np.ndarray, attacks: Sequence[Atta
             f"a minimum-norm attack found no adversarial example for "
             f"{counts['unbounded_incomplete']} {of}", counts["unbounded_incomplete"])
     return {name: check._asdict() for name, check in out.items()}
+
+
+def white_box_success(per_example: dict[str, np.ndarray], attacks: Sequence[Attack]
+                      ) -> np.ndarray:
+    """``[n]``: fooled by at least one white-box attack of the bundle."""
+    white = [k for k, a in enumerate(attacks) if not a.black_box]
+    return per_example["attack_success"][:, white].astype(bool).any(axis=1)
+
+
+def add(metrics: dict, per_example: dict[str, np.ndarray], name: str, flags: np.ndarray,
+        saw: str) -> None:
+    """Adds the per-example check ``name`` (flags ``[n]``) that the job computed after the
+    evaluation: an entry in ``metrics["checks"]`` and a column of ``check_flags``."""
+    count = int(np.sum(flags))
+    metrics["checks"][name] = _check(name, count == 0, saw.format(count=count), count)._asdict()
+    metrics["check_flag_names"].append(name)
+    per_example["check_flags"] = np.concatenate(
+        [per_example["check_flags"], np.asarray(flags, bool)[:, None]], axis=1)

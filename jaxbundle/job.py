@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 import jax
 import numpy as np
 
+from jaxbundle import checks
 from jaxbundle import curves
 from jaxbundle import data as data_lib
 from jaxbundle import models as models_lib
@@ -324,12 +325,24 @@ def run_job(
                     attacks, apply_fn, params, source, eps_max=eps, **common
                 )
                 evaluation.per_example["best_effort_distortion"] = d
+                pe = evaluation.per_example
+                correct = pe["clean_prediction"] == pe["label"]
+                checks.add(metrics, pe, "non_monotone",
+                           correct & np.isfinite(d) & ~pe["success"].astype(bool),
+                           "{count} correctly classified examples were fooled by the bisection "
+                           "at a radius at most eps but not by the evaluation at eps")
             if loaded_surrogates:
                 progress.update(task, description=f"{ref.name}: transfer")
                 metrics["transfer"], success = transfer_metrics(
                     attacks, loaded_surrogates, apply_fn, params, source, eps=eps, **common
                 )
                 evaluation.per_example["transfer_success"] = success
+                pe = evaluation.per_example
+                correct = pe["clean_prediction"] == pe["label"]
+                checks.add(metrics, pe, "transfer_beats_white_box",
+                           correct & success & ~checks.white_box_success(pe, attacks),
+                           "{count} correctly classified examples were fooled by a surrogate's "
+                           "transfer and by no white-box attack on the model")
             results[ref.name] = (evaluation, time.perf_counter() - start)
     if not lead:
         return None, results

@@ -112,3 +112,18 @@ def test_checks_in_the_report(schedule, tmp_path):
     text = markdown(report)
     assert "| check | passed | saw | means / try |" in text
     assert "| zero_gradients | yes |" in text
+
+
+def test_a_check_the_job_adds_fails_on_any_flag_and_becomes_a_column():
+    params, x, y, eps = _problem()
+    r = _run(linear_apply, params, x, y, eps, (attacks_lib.fgsm("linf"),))
+    before = r.per_example["check_flags"].shape[1]
+    flags = np.zeros(32, bool)
+    flags[[3, 5]] = True
+    checks.add(r.metrics, r.per_example, "transfer_beats_white_box", flags, "{count} examples")
+    c = r.metrics["checks"]["transfer_beats_white_box"]
+    assert not c["passed"] and c["examples"] == 2 and c["saw"] == "2 examples"
+    assert r.metrics["check_flag_names"][-1] == "transfer_beats_white_box"
+    np.testing.assert_array_equal(r.per_example["check_flags"][:, before], flags)
+    assert "check transfer_beats_white_box FAILED: 2 examples" in "\n".join(
+        check_lines(r.metrics["checks"]))

@@ -338,3 +338,16 @@ def test_run_job_as_a_library_call(user, tmp_path):
     be = evaluation.per_example["best_effort_distortion"]
     fooled = evaluation.per_example["success"]
     assert np.all(be[fooled] <= 0.1 + 1e-6)
+    # The job's own checks: the transfer is the white-box attack itself, so it beats it nowhere;
+    # non-monotone flags exactly the examples the bisection fooled within eps and eps did not.
+    assert m["checks"]["transfer_beats_white_box"] == {
+        "passed": True, "examples": 0, **{k: m["checks"]["transfer_beats_white_box"][k]
+                                          for k in ("saw", "means", "advice")}}
+    names = m["check_flag_names"]
+    assert names[-2:] == ["non_monotone", "transfer_beats_white_box"]
+    flags = evaluation.per_example["check_flags"]
+    assert flags.shape == (32, len(names))
+    correct = evaluation.per_example["clean_prediction"] == evaluation.per_example["label"]
+    np.testing.assert_array_equal(flags[:, names.index("non_monotone")],
+                                  correct & np.isfinite(be) & ~fooled.astype(bool))
+    assert m["checks"]["non_monotone"]["examples"] == int(flags[:, -2].sum())
