@@ -34,8 +34,9 @@ import numpy as np
 
 from jaxbundle import goals as goals_lib
 from jaxbundle import norms
+from jaxbundle import sampling as sampling
 from jaxbundle.attacks.base import KINDS, Attack, WhiteBoxModel, per_example_keys, threat_model
-from jaxbundle.judge import STRETCH, check_judging, judged_on_grid, verify
+from jaxbundle.judge import STRETCH, check_judging, judged_on_grid, judged_score, verify
 from jaxbundle.models.layers import canonical_convolutions
 
 __all__ = [
@@ -45,6 +46,7 @@ __all__ = [
     "candidate_state",
     "bundle",
     "check_attacks",
+    "check_eot",
     "goals_for",
     "check_inputs",
     "Running",
@@ -146,7 +148,29 @@ def _fold_leading_axis(
 def _fast_gradients(apply_fn: Callable[[Any, jax.Array], jax.Array]):
     """On CPU, ``apply_fn`` with canonical-gradient convolutions (same numbers; XLA:CPU runs
     JAX's own input-gradient convolution 4-6x slower inside the attacks' loops)."""
-    return canonical_convolutions(apply_fn) if jax.default_backend() == "cpu" else apply_fn
+    if jax.default_backend() != "cpu":
+        return apply_fn
+    if sampling.is_stochastic(apply_fn):
+        return apply_fn._replace(apply_fn=canonical_convolutions(apply_fn.apply_fn))
+    return canonical_convolutions(apply_fn)
+
+
+def _restart_keys(keys: jax.Array, index: int, restart: int | jax.Array) -> jax.Array:
+    """``[B]`` keys of restart ``restart`` of attack ``index``: ``fold_in(fold_in(keys, index),
+    restart)`` per example (``keys``: the examples' keys)."""
+    fold = jax.vmap(jax.random.fold_in, in_axes=(0, None))
+    return fold(fold(keys, index), restart)
+
+
+def _seen(attack: Attack, model: WhiteBoxModel, restart_keys: jax.Array, call: int | jax.Array):
+    """What the attack may see of the model (:func:`threat_model`), for a stochastic model with
+    the keys of model call ``call`` of this restart (see :mod:`jaxbundle.sampling`) and the
+    attack's EOT samples."""
+    keys = None
+    if model.stochastic:
+        fold = jax.vmap(jax.random.fold_in, in_axes=(0, None))
+        keys = fold(fold(restart_keys, sampling.MODEL_STREAM), call)
+    return threat_model(attack.kind, model.apply_fn, model.params, model.grid, keys, attack.eot)
 
 
 def _over_restarts(attack: Attack, restart_mode: str, fn: Callable, *stacked: Any) -> Any:
@@ -168,6 +192,7 @@ class Running(NamedTuple):
     state: Any  # the attack's state, restart-stacked: every leaf [R, B, ...]
     best: dict[str, BestState]  # goal name -> each restart's unverified best, [R, B, ...]
     clean: BestState  # [B]: the clean image's candidate (every goal's starting best)
+    keys: jax.Array  # [B]: the examples' keys (per_example_keys)
 
 
 def _start_attack(
@@ -175,17 +200,19 @@ def _start_attack(
     y: jax.Array, eps: jax.Array, clean: BestState, goal_names: tuple[str, ...],
     restart_mode: str,
 ) -> Running:
-    """Every restart's initial state, with the clean image as every goal's best."""
-    attack_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, index)
-    seen = threat_model(attack.kind, model.apply_fn, model.params, model.grid)  # what it may see
+    """Every restart's initial state, with the clean image as every goal's best (a stochastic
+    model's clean image as a 0-or-1 success rate, as the attack's own candidates are scored)."""
 
     def one_restart(restart):
-        restart_keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(attack_keys, restart)
+        restart_keys = _restart_keys(keys, index, restart)
+        seen = _seen(attack, model, restart_keys, sampling.INIT_CALL)
         return attack.init(attack.config, restart_keys, x0, y, eps, seen, restart)
 
     state = _over_restarts(attack, restart_mode, one_restart)
-    best = jax.tree.map(lambda a: jnp.broadcast_to(a, (attack.num_restarts, *a.shape)), clean)
-    return Running(state, {g: best for g in goal_names}, clean)
+    start = clean._replace(score=clean.score._replace(
+        rate=clean.score.misclassified.astype(jnp.float32)))
+    best = jax.tree.map(lambda a: jnp.broadcast_to(a, (attack.num_restarts, *a.shape)), start)
+    return Running(state, {g: best for g in goal_names}, clean, keys)
 
 
 def _attack_steps(
@@ -196,14 +223,17 @@ def _attack_steps(
     """Steps ``t0 .. t1 - 1`` of every restart, each candidate folded into its restart's best
     per goal. Static bounds run a ``lax.scan`` (unrolled by ``unroll``); traced ones a
     ``lax.fori_loop``, so that one program serves every segment of a cascade's stage."""
-    seen = threat_model(attack.kind, model.apply_fn, model.params, model.grid)
 
     def one_restart(restart, state, best):
+        restart_keys = _restart_keys(running.keys, index, restart)
+
         def body(t, carry):
             state, best = carry
-            state, cand = attack.step(attack.config, state, seen)
+            state, cand = attack.step(attack.config, state, _seen(attack, model, restart_keys, t))
             # Label-only attacks return no logits: the evaluator computes them, uncounted.
-            logits = model.logits(cand.x) if cand.logits is None else cand.logits
+            logits = cand.logits
+            if logits is None:
+                logits = _evaluator(model, restart_keys, t).logits(cand.x)
             c = candidate_state(cand.x, logits, x0, y, norm, index, restart, t, goal_names)
             return state, _fold_all(goal_names, eps, best, c)
 
@@ -226,20 +256,35 @@ def _attack_best(
 ) -> dict[str, BestState]:
     """The restarts' bests folded into one per goal, in order (unverified). With ``iterate``,
     each restart's current iterate is evaluated once more and folded in first, as step ``t``
-    (after the last step; mid-run the next step evaluates it anyway)."""
+    (after the last step; mid-run the next step evaluates it anyway). Against a stochastic
+    model the restarts stay stacked ``[R, B, ...]``: each is judged before they are folded
+    (:func:`_judged`), so that the best on average wins, not the luckiest draw."""
 
     def one_restart(restart, state, best):
-        final = candidate_state(
-            state.x, model.logits(state.x), x0, y, norm, index, restart, t, goal_names
-        )
+        logits = _evaluator(model, _restart_keys(running.keys, index, restart), t).logits(state.x)
+        final = candidate_state(state.x, logits, x0, y, norm, index, restart, t, goal_names)
         return _fold_all(goal_names, eps, best, final)
 
     stacked = running.best
     if iterate:
         stacked = _over_restarts(attack, restart_mode, one_restart, running.state, stacked)
+    if model.stochastic:
+        return stacked
     if attack.num_restarts == 1:
         return jax.tree.map(lambda a: a[0], stacked)
     return _fold_leading_axis(goal_names, eps, stacked)
+
+
+def _evaluator(model: WhiteBoxModel, restart_keys: jax.Array, t: int | jax.Array
+               ) -> WhiteBoxModel:
+    """The uncounted evaluator of a restart's candidates at step ``t`` (labels-only attacks'
+    candidates, the final iterate): the model itself, or for a stochastic one a single call
+    under keys no attack call uses."""
+    if not model.stochastic:
+        return model
+    fold = jax.vmap(jax.random.fold_in, in_axes=(0, None))
+    keys = fold(fold(restart_keys, sampling.EVAL_STREAM), t)
+    return WhiteBoxModel(model.apply_fn, model.params, model.grid, keys, 1)
 
 
 def _judged(
@@ -252,18 +297,28 @@ def _judged(
     best misclassify candidate (-1: the clean image's stayed best) per example."""
     # A black-box attack's image is judged as it queried it: no uncounted stretching.
     stretch = (1.0,) if attack.black_box else STRETCH
-    found = {
-        g: verify(found[g], g, model, x, y, eps, norm, grid, clean, stretch) for g in goal_names
-    }
-    found = _cross_fold(goal_names, eps, found)
+
+    def judge(found):
+        verified = {
+            g: verify(found[g], g, model, x, y, eps, norm, grid, clean, stretch)
+            for g in goal_names
+        }
+        return _cross_fold(goal_names, eps, verified)
+
+    if model.stochastic:  # restart-stacked (see _attack_best): judged, then folded
+        found = _fold_leading_axis(goal_names, eps, jax.vmap(judge)(found))
+    else:
+        found = judge(found)
     mis = found["misclassify"]
     success = goals_lib.success("misclassify", mis.score, eps)
     step = jnp.where(mis.attack >= 0, mis.step, -1)
     return found, success, _smallest_distortion(found, eps), step
 
 
-def _setup(params, x, y, eps, apply_fn, norm, judging):
-    """The batch in float32, the radius the attacks aim at, the grid mask and the model."""
+def _setup(params, x, y, eps, apply_fn, norm, judging, keys):
+    """The batch in float32, the radius the attacks aim at, the grid mask and the model as the
+    judge calls it (a stochastic model: its ``calls`` under each example's judge keys, the same
+    for every candidate; ``keys``: the examples' keys)."""
     x = x.astype(jnp.float32)
     y = y.astype(jnp.int32)
     eps = jnp.broadcast_to(jnp.asarray(eps, jnp.float32), y.shape)
@@ -271,7 +326,19 @@ def _setup(params, x, y, eps, apply_fn, norm, judging):
     # On the grid the ball holds whole levels only: attacks aim at the radius the judge allows
     # (76/255 for Linf 0.3), so that rounding never has to cut a saturated perturbation back.
     eps = jnp.where(grid, norms.grid_radius(eps, norm), eps)
-    return x, y, eps, grid, WhiteBoxModel(_fast_gradients(apply_fn), params, grid)
+    apply_fn = _fast_gradients(apply_fn)
+    if not sampling.is_stochastic(apply_fn):
+        return x, y, eps, grid, WhiteBoxModel(apply_fn, params, grid)
+    model = WhiteBoxModel(apply_fn, params, grid, sampling.judge_keys(keys),
+                          apply_fn.calls, fresh=False)
+    return x, y, eps, grid, model
+
+
+def clean_state(model: WhiteBoxModel, x: jax.Array, y: jax.Array, norm: str) -> BestState:
+    """The clean images' candidate as the judge scores it (attack -1)."""
+    s, _ = judged_score(model, x, x, y, norm)
+    full = jnp.full(y.shape, 0, jnp.int32)
+    return BestState(x=x, score=s, attack=full - 1, restart=full, step=full)
 
 
 @functools.partial(
@@ -300,9 +367,9 @@ def _bundle(
     """The jitted bundle. ``indices`` are the attacks' positions in the whole bundle (their key
     folds and the ``attack`` field of their candidates); default ``0, 1, ...``: a cascade runs
     attack ``k`` alone under index ``k`` (see :mod:`jaxbundle.schedule`)."""
-    x, y, eps, grid, model = _setup(params, x, y, eps, apply_fn, norm, judging)
     keys = per_example_keys(key, example_id)
-    clean = candidate_state(x, model.logits(x), x, y, norm, -1, 0, 0)
+    x, y, eps, grid, model = _setup(params, x, y, eps, apply_fn, norm, judging, keys)
+    clean = clean_state(model, x, y, norm)
     best = {g: clean for g in goal_names}
     successes, distortions, steps = [], [], []
     for index, attack in zip(indices or range(len(attacks)), attacks):
@@ -342,17 +409,17 @@ def start_stage(params, x, y, key, example_id, eps, *, apply_fn, attack, index, 
                 judging, restart_mode) -> Running:
     """A cascade's stage run in segments: attack ``index`` initialised on a bucket of rows,
     with the same keys as in the full bundle (see :mod:`jaxbundle.schedule`)."""
-    x, y, eps, _, model = _setup(params, x, y, eps, apply_fn, norm, judging)
-    clean = candidate_state(x, model.logits(x), x, y, norm, -1, 0, 0)
-    return _start_attack(attack, index, model, per_example_keys(key, example_id), x, y, eps,
-                         clean, goal_names, restart_mode)
+    keys = per_example_keys(key, example_id)
+    x, y, eps, _, model = _setup(params, x, y, eps, apply_fn, norm, judging, keys)
+    return _start_attack(attack, index, model, keys, x, y, eps, clean_state(model, x, y, norm),
+                         goal_names, restart_mode)
 
 
 @functools.partial(jax.jit, static_argnames=_STAGE_STATIC)
 def step_stage(params, running, x, y, eps, t0, t1, *, apply_fn, attack, index, goal_names, norm,
                judging, restart_mode) -> Running:
     """Steps ``t0 .. t1 - 1`` (traced: one program per bucket size) of a stage's rows."""
-    x, y, eps, _, model = _setup(params, x, y, eps, apply_fn, norm, judging)
+    x, y, eps, _, model = _setup(params, x, y, eps, apply_fn, norm, judging, running.keys)
     return _attack_steps(attack, index, model, x, y, eps, norm, goal_names, running, t0, t1, 1,
                          restart_mode)
 
@@ -363,7 +430,7 @@ def judge_stage(params, running, x, y, eps, t, *, apply_fn, attack, index, goal_
     """A stage's verified bests after ``t`` steps, as :func:`_bundle` judges an attack's:
     ``(best per goal, success [B], smallest distortion [B], best step [B])``; the current
     iterate is evaluated only after the ``last`` step."""
-    x, y, eps, grid, model = _setup(params, x, y, eps, apply_fn, norm, judging)
+    x, y, eps, grid, model = _setup(params, x, y, eps, apply_fn, norm, judging, running.keys)
     found = _attack_best(attack, index, model, x, y, eps, norm, goal_names, running, t,
                          restart_mode, iterate=last)
     return _judged(attack, found, model, x, y, eps, norm, grid, running.clean, goal_names)
@@ -373,8 +440,9 @@ def judge_stage(params, running, x, y, eps, t, *, apply_fn, attack, index, goal_
 def take_rows(running: Running, positions: jax.Array) -> Running:
     """The rows ``positions`` of a stage mid-run (axis 1 of the restart-stacked leaves)."""
     pick = lambda a: jnp.take(a, positions, axis=1)  # noqa: E731
+    rows = lambda a: jnp.take(a, positions, axis=0)  # noqa: E731
     return Running(jax.tree.map(pick, running.state), jax.tree.map(pick, running.best),
-                   jax.tree.map(lambda a: jnp.take(a, positions, axis=0), running.clean))
+                   jax.tree.map(rows, running.clean), rows(running.keys))
 
 
 def _smallest_distortion(found: dict[str, BestState], eps: jax.Array) -> jax.Array:
@@ -433,6 +501,19 @@ def check_attacks(attacks: Sequence[Attack], norm: str) -> tuple[Attack, ...]:
     return attacks
 
 
+def check_eot(attacks: Sequence[Attack], apply_fn: Callable) -> None:
+    """EOT samples a stochastic model's randomness: ``eot > 1`` on a deterministic model
+    would only multiply the cost (and the budget's count), so it is an error."""
+    if sampling.is_stochastic(apply_fn):
+        return
+    for a in attacks:
+        if a.eot != 1:
+            raise ValueError(
+                f"attack {a.name!r} has eot={a.eot} but the model is deterministic; EOT averages "
+                "over a stochastic model's randomness (declare it with jaxbundle.stochastic)"
+            )
+
+
 def goals_for(goals: Sequence[str] | str, attacks: Sequence[Attack]) -> tuple[str, ...]:
     """The goals a bundle tracks: ``goals``, ``misclassify`` first, and each attack's own goal."""
     goals = (goals,) if isinstance(goals, str) else tuple(goals)
@@ -457,7 +538,8 @@ def _output_shape(apply_fn: Callable, params: Any, x_shape: tuple[int, ...]) -> 
         key = None
     if key is not None and key in _OUTPUT_SHAPES:
         return _OUTPUT_SHAPES[key]
-    out = jax.eval_shape(apply_fn, params, jax.ShapeDtypeStruct(x_shape, jnp.float32))
+    out = jax.eval_shape(sampling.fixed(apply_fn), params,
+                         jax.ShapeDtypeStruct(x_shape, jnp.float32))
     if key is not None:
         if len(_OUTPUT_SHAPES) >= 256:
             _OUTPUT_SHAPES.clear()
@@ -551,7 +633,9 @@ def bundle(
 
     Args:
       attacks: attacks from :mod:`jaxbundle.attacks`, all in the threat model's norm.
-      apply_fn: ``apply_fn(params, x) -> logits`` (e.g. a flax ``module.apply``).
+      apply_fn: ``apply_fn(params, x) -> logits`` (e.g. a flax ``module.apply``), or a
+        stochastic model declared with :func:`jaxbundle.stochastic` (``apply_fn(params, x,
+        key)``, judged over its ``calls``; see :mod:`jaxbundle.sampling`).
       params: the model's parameters (a jit argument, never baked into the program).
       x: clean images ``[B, ...]`` in [0, 1].
       y: integer labels ``[B]``.
@@ -576,6 +660,7 @@ def bundle(
     """
     norms.check_norm(norm)
     attacks = check_attacks(attacks, norm)
+    check_eot(attacks, apply_fn)
     goal_names = goals_for(goals, attacks)
     if restart_mode not in ("vmap", "map"):
         raise ValueError(f"restart_mode must be 'vmap' or 'map', got {restart_mode!r}")

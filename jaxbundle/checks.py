@@ -9,7 +9,10 @@ Model checks (AutoAttack's, Croce & Hein 2020), on the first images (up to 8) of
 read:
 
 ``randomness``
-    The same input twice gives different outputs: the model is random at test time.
+    The same input twice gives different outputs: the model is random at test time. A model
+    declared stochastic (:func:`jaxbundle.stochastic`) is judged over many calls; it passes
+    when every attack that queries it averages samples (EOT), and fails when one does not
+    (its gradients or scores are single noisy draws) or when the model ignores its key.
 ``probabilities``
     The outputs lie in [0, 1] and sum to 1: the model returns probabilities, not logits, and
     losses computed on them saturate.
@@ -56,6 +59,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxbundle import sampling
 from jaxbundle.attacks.base import Attack
 
 __all__ = [
@@ -125,10 +129,12 @@ def _check(name: str, passed: bool, saw: str, examples: int | None = None) -> Ch
 
 
 def model_checks(apply_fn: Callable[[Any, jax.Array], jax.Array], params: Any,
-                 x: np.ndarray) -> dict[str, Check]:
-    """The model-level checks on a batch of clean images ``x`` (a few forward passes)."""
+                 x: np.ndarray, attacks: Sequence[Attack] = ()) -> dict[str, Check]:
+    """The model-level checks on a batch of clean images ``x`` (a few forward passes; a
+    stochastic model's under fixed keys, see :func:`_declared_randomness`)."""
     x = jnp.asarray(x, jnp.float32)
-    call = lambda images: np.asarray(apply_fn(params, images), np.float64)  # noqa: E731
+    fixed = sampling.fixed(apply_fn)
+    call = lambda images: np.asarray(fixed(params, images), np.float64)  # noqa: E731
     call(x)  # a first call, in case the model sets itself up lazily
     first = call(x)
     again = call(x)
@@ -138,10 +144,15 @@ def model_checks(apply_fn: Callable[[Any, jax.Array], jax.Array], params: Any,
     state_gap = float(np.max(np.abs(again - after)))
     in_unit = bool(np.all((first >= 0) & (first <= 1)))
     sums_to_one = bool(np.all(np.abs(first.sum(axis=-1) - 1.0) < 1e-4))
+    if sampling.is_stochastic(apply_fn):
+        other = np.asarray(sampling.fixed(apply_fn, seed=1)(params, x), np.float64)
+        randomness = _declared_randomness(apply_fn, attacks, random_gap,
+                                          float(np.max(np.abs(first - other))))
+    else:
+        randomness = _check("randomness", random_gap == 0.0,
+                            f"two calls on the same images differ by up to {random_gap:.3g}")
     return {
-        "randomness": _check(
-            "randomness", random_gap == 0.0,
-            f"two calls on the same images differ by up to {random_gap:.3g}"),
+        "randomness": randomness,
         "probabilities": _check(
             "probabilities", not (in_unit and sums_to_one),
             f"outputs all in [0, 1]: {in_unit}; every row sums to 1: {sums_to_one}"),
@@ -152,13 +163,31 @@ def model_checks(apply_fn: Callable[[Any, jax.Array], jax.Array], params: Any,
     }
 
 
+def _declared_randomness(apply_fn: sampling.Stochastic, attacks: Sequence[Attack],
+                         same_key_gap: float, key_gap: float) -> Check:
+    """The randomness check of a model declared stochastic: it must draw its randomness from
+    its key (same key, same logits; other keys, other logits), and every attack must average
+    over samples (EOT > 1), or its view of the model is one noisy draw."""
+    single = [a.name for a in attacks if a.eot == 1]
+    saw = (f"declared stochastic, judged over {apply_fn.calls} calls per candidate (fooled in "
+           f"more than {apply_fn.threshold:g} of them); other keys move the logits by up to "
+           f"{key_gap:.3g}, the same key by {same_key_gap:.3g}; ")
+    saw += (f"attacks without EOT: {', '.join(single)}" if single else
+            "every attack averages " + ", ".join(f"{a.name} {a.eot}" for a in attacks)
+            + " samples")
+    passed = not single and same_key_gap == 0.0 and key_gap > 0.0
+    return _check("randomness", passed, saw)
+
+
 def zero_gradients(apply_fn: Callable[[Any, jax.Array], jax.Array], params: Any,
                    x: jax.Array, y: jax.Array) -> jax.Array:
     """Per example ``[B]``: whether the cross-entropy gradient at ``x`` is exactly zero
     (traceable: the evaluation computes it inside its per-batch summary)."""
 
+    fixed = sampling.fixed(apply_fn)
+
     def loss(images):
-        logits = apply_fn(params, images).astype(jnp.float32)
+        logits = fixed(params, images).astype(jnp.float32)
         return jnp.sum(-jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], 1))
 
     grad = jax.grad(loss)(x.astype(jnp.float32))

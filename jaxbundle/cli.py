@@ -64,6 +64,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _rate(text: str) -> float:
+    value = _non_negative_float(text)
+    if value >= 1:
+        raise argparse.ArgumentTypeError(f"expected a success rate in [0, 1), got {text}")
+    return value
+
+
 def _focus(text: str) -> tuple[str, float]:
     name, sep, fraction = text.partition("=")
     try:
@@ -97,7 +104,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     what.add_argument(
         "--models", type=_csv, default=None,
-        help="demo models to evaluate (default: standard,adversarial when no --model is given)",
+        help="demo models to evaluate (default: standard,adversarial when no --model is given); "
+        "randomized: the adversarial CNN behind random noise and shifts (a stochastic model)",
     )
     what.add_argument(
         "--data", default="mnist-sample",
@@ -179,6 +187,22 @@ def _parser() -> argparse.ArgumentParser:
         "--segments", type=_positive_int, default=None, metavar="N",
         help="cascade: run each attack's steps in N segments; an example fooled in one stops "
         "there (default: the bundle's own, 6 for default, else 1)",
+    )
+    random = ev.add_argument_group(
+        "stochastic models (randomised defences; see jaxbundle.sampling)")
+    random.add_argument(
+        "--eot", type=_positive_int, default=1, metavar="N",
+        help="every attack averages N model samples per call (expectation over "
+        "transformation; each counts as a model pass); stochastic models only (default 1)",
+    )
+    random.add_argument(
+        "--judge-calls", type=_positive_int, default=None, metavar="M",
+        help="fresh model calls the judge makes on every candidate (default: the model's, 16)",
+    )
+    random.add_argument(
+        "--success-threshold", type=_rate, default=None, metavar="T",
+        help="an example counts as fooled when more than T of the judge's calls misclassify it "
+        "(default: the model's, 0.5)",
     )
     threat.add_argument(
         "--best-effort", action="store_true",
@@ -283,7 +307,8 @@ def _evaluate(args: argparse.Namespace, console: Console) -> None:
                                                                ["standard", "adversarial"])
     refs = [job.demo_model(m, **demo) for m in demo_names] + [job.user_model(s) for s in args.model]
     surrogates = [
-        job.demo_model(s, **demo) if s in models.MODELS else job.user_model(s)
+        job.demo_model(s, **demo) if s in models.MODELS or s in models.DEFENCES
+        else job.user_model(s)
         for s in args.surrogate
     ]
     attack_list = build_attacks(args)
@@ -312,6 +337,7 @@ def _evaluate(args: argparse.Namespace, console: Console) -> None:
             checkpoint_dir=args.checkpoint_dir, save_images=args.save_images,
             best_effort=args.best_effort, surrogates=surrogates, schedule=schedule,
             threshold=args.threshold, budget=args.budget, focus=focus, segments=segments,
+            eot=args.eot, judge_calls=args.judge_calls, success_threshold=args.success_threshold,
             config=config,
             console=console,
             show_progress=not args.no_progress,

@@ -40,8 +40,10 @@ from jaxbundle import norms
 from jaxbundle.attacks.base import Attack
 from jaxbundle import judge
 from jaxbundle import schedule as schedule_lib
-from jaxbundle.bundler import BundleResult, bundle, check_attacks, check_inputs, goals_for
+from jaxbundle.bundler import (BundleResult, bundle, check_attacks, check_eot, check_inputs,
+                               goals_for)
 from jaxbundle.metrics import Counts, kind_success
+from jaxbundle.sampling import is_stochastic
 
 __all__ = [
     "Evaluation",
@@ -99,6 +101,32 @@ def per_example_arrays(
         mn = result.best["min_norm"].score
         out["min_distortion"] = jnp.where(mn.misclassified, mn.distortion, jnp.inf)
     return out
+
+
+RATE_THRESHOLDS = (0.0, 0.25, 0.5, 0.75, 0.9)
+
+
+def stochastic_metrics(apply_fn: Any, attacks: Sequence[Attack],
+                       per_example: dict[str, np.ndarray]) -> dict:
+    """How a stochastic model was judged, and its robust accuracy at other success-rate
+    thresholds (from the same per-example best candidates, chosen by their rate)."""
+    rate, clean = per_example["success_rate"], per_example["clean_success_rate"]
+    n = max(len(rate), 1)
+    at = lambda t: float(np.sum((clean <= t) & (rate <= t)) / n)  # noqa: E731
+    return {
+        "calls": apply_fn.calls,
+        "threshold": apply_fn.threshold,
+        "eot": {a.name: a.eot for a in attacks},
+        "statement": (
+            f"stochastic model: each candidate judged over {apply_fn.calls} fresh calls the "
+            f"attacks never saw; an example counts as fooled when more than "
+            f"{apply_fn.threshold:g} of them misclassify its best candidate (the one with the "
+            "highest success rate)"
+        ),
+        "mean_success_rate": float(np.mean(rate)) if len(rate) else 0.0,
+        "mean_clean_success_rate": float(np.mean(clean)) if len(clean) else 0.0,
+        "robust_accuracy_at_threshold": {f"{t:g}": at(t) for t in RATE_THRESHOLDS},
+    }
 
 
 def curve_metrics(per_example: dict[str, np.ndarray], attacks: Sequence[Attack], norm: str) -> dict:
@@ -190,6 +218,9 @@ def _summary(result, x, y, example_id, mask, eps, attacks, mesh, apply_fn, param
     eps_b = jnp.full(y.shape, eps, jnp.float32)
     outputs = dict(per_example_arrays(result, x, eps_b, black_box), label=y, example_id=example_id,
                    zero_gradient=checks_lib.zero_gradients(apply_fn, params, x, y))
+    if is_stochastic(apply_fn):  # the fraction of the judge's calls each image fools
+        outputs.update(success_rate=result.best["misclassify"].score.rate,
+                       clean_success_rate=result.clean.rate)
     out = (Counts.from_result(result, mask, eps_b, black_box), outputs)
     if mesh is not None:
         out = jax.lax.with_sharding_constraint(out, NamedSharding(mesh, PartitionSpec()))
@@ -462,6 +493,7 @@ def evaluate_source(
     """
     norms.check_norm(norm)
     attacks = check_attacks(attacks, norm)
+    check_eot(attacks, apply_fn)
     goal_names = goals_for(goals, attacks)
     judge.check_judging(judging)
     if schedule not in schedule_lib.SCHEDULES:
@@ -533,7 +565,7 @@ def evaluate_source(
         batch = data_lib.local_batch(source, index, batch_size, *process)
         bx = data_lib.to_unit_float(batch.x)
         if index == 0:  # on this process's rows of the first batch, unsharded parameters
-            model_checks = checks_lib.model_checks(apply_fn, local_params, bx[:8])
+            model_checks = checks_lib.model_checks(apply_fn, local_params, bx[:8], attacks)
         classes = check_inputs(apply_fn, params, bx, batch.y, eps_value, judging=judging)
         if not checked_classes and source.num_classes not in (None, classes):
             raise ValueError(
@@ -606,12 +638,14 @@ def evaluate_source(
     if model_checks is None:  # resumed: the first batch came from the checkpoint
         first = data_lib.local_batch(source, 0, batch_size, *process)
         model_checks = checks_lib.model_checks(apply_fn, local_params,
-                                               data_lib.to_unit_float(first.x)[:8])
+                                               data_lib.to_unit_float(first.x)[:8], attacks)
     metrics["checks"] = checks_lib.summarise(
         model_checks, per_example["check_flags"], attacks,
         int(np.sum(per_example["clean_prediction"] == per_example["label"])),
     )
     metrics["check_flag_names"] = list(checks_lib.FLAG_NAMES)
+    if is_stochastic(apply_fn):
+        metrics["stochastic"] = stochastic_metrics(apply_fn, attacks, per_example)
     metrics.update(curve_metrics(per_example, attacks, norm))
     metrics["schedule"] = {"mode": schedule}
     if schedule == "cascade":

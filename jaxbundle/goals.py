@@ -9,7 +9,9 @@ Goals (``eps`` is the threat model's radius, per example):
 
 ``misclassify``
     Bundled error rate. A success is a misclassified candidate within eps. Keeps the candidate
-    within eps with the largest margin ``max_{j != y} z_j - z_y``: a success (margin > 0) is
+    within eps with the highest success rate (the fraction of the judge's calls that
+    misclassify it: 0 or 1 for a deterministic model, see :mod:`jaxbundle.sampling`), and
+    among equal rates the largest margin ``max_{j != y} z_j - z_y``: a success (margin > 0) is
     never replaced by a failure, and among successes the one deepest inside a wrong class is
     kept, the one most likely to survive rounding to the pixel grid at verification.
 ``max_confidence``
@@ -49,6 +51,9 @@ class Score(NamedTuple):
     confidence: jax.Array  # float: highest softmax probability on a wrong class
     margin: jax.Array  # float: max_{j != y} z_j - z_y (> 0 iff misclassified)
     prediction: jax.Array  # int32: argmax of the logits
+    rate: jax.Array  # float: fraction of the model's calls that misclassify it (a
+    #   deterministic model: misclassified as 0 or 1; a stochastic one: over the judge's calls,
+    #   and ``misclassified`` is then ``rate > threshold``, the other fields call averages)
 
 
 def score(
@@ -83,6 +88,7 @@ def score(
         confidence=confidence,
         margin=margin,
         prediction=prediction,
+        rate=misclassified.astype(jnp.float32),
     )
 
 
@@ -93,7 +99,8 @@ def within(s: Score, eps: jax.Array) -> jax.Array:
 
 def misclassify(best: Score, cand: Score, eps: jax.Array) -> jax.Array:
     ok = within(cand, eps)
-    return ok & (~within(best, eps) | (cand.margin > best.margin))
+    better = (cand.rate > best.rate) | ((cand.rate == best.rate) & (cand.margin > best.margin))
+    return ok & (~within(best, eps) | better)
 
 
 def max_confidence(best: Score, cand: Score, eps: jax.Array) -> jax.Array:

@@ -29,8 +29,10 @@ from jaxbundle import checks
 from jaxbundle import curves
 from jaxbundle import data as data_lib
 from jaxbundle import models as models_lib
+from jaxbundle import sampling
 from jaxbundle.attacks.base import Attack
 from jaxbundle.evaluate import Evaluation, evaluate_source
+from jaxbundle.sampling import is_stochastic
 
 __all__ = [
     "ModelRef",
@@ -66,17 +68,23 @@ def demo_model(
     train_examples: int | None = None,
     train_epochs: int | None = None,
 ) -> ModelRef:
-    """A demo CNN of :data:`jaxbundle.models.MODELS`, trained on first use and then cached."""
-    if name not in models_lib.MODELS:
-        raise ValueError(f"unknown demo model {name!r}; choose from {sorted(models_lib.MODELS)}")
-    config = models_lib.MODELS[name]
+    """A demo CNN of :data:`jaxbundle.models.MODELS`, trained on first use and then cached, or
+    a demo defence of :data:`jaxbundle.models.DEFENCES` (a stochastic model around one)."""
+    defence = models_lib.DEFENCES.get(name)
+    known = sorted(models_lib.MODELS) + sorted(models_lib.DEFENCES)
+    if name not in models_lib.MODELS and defence is None:
+        raise ValueError(f"unknown demo model {name!r}; choose from {known}")
+    config = models_lib.MODELS[defence.base if defence else name]
     if train_examples is not None:
         config = config._replace(n_train=train_examples)
     if train_epochs is not None:
         config = config._replace(epochs=train_epochs)
 
     def load(progress):
-        return models_lib.load_or_train(config, cache_dir=cache_dir, progress=progress)
+        apply_fn, params = models_lib.load_or_train(config, cache_dir=cache_dir, progress=progress)
+        if defence is not None:
+            apply_fn = models_lib.randomized(apply_fn, noise=defence.noise, shift=defence.shift)
+        return apply_fn, params
 
     return ModelRef(name, load, f"demo:{name}")
 
@@ -237,6 +245,9 @@ def run_job(
     budget: float | None = None,
     focus: dict[str, float] | None = None,
     segments: int = 1,
+    eot: int = 1,
+    judge_calls: int | None = None,
+    success_threshold: float | None = None,
     config: dict | None = None,
     console: Any = None,
     show_progress: bool = True,
@@ -264,6 +275,9 @@ def run_job(
         survivors (see :mod:`jaxbundle.schedule`).
       segments: the cascade runs each attack's steps in this many segments; an example
         satisfied after one stops there.
+      eot, judge_calls, success_threshold: for the stochastic models only (see
+        :mod:`jaxbundle.sampling`): every attack averages ``eot`` samples per model call, and
+        the judge's calls per candidate and success-rate threshold replace the model's own.
       config: what the report's ``config`` records besides what this function knows.
       console: a ``rich`` console to print progress and the tables on (process 0).
       show_progress: progress bars on ``console``.
@@ -299,11 +313,23 @@ def run_job(
         for ref in models:
             task = progress.add_task(f"{ref.name}: train or load", total=None)
             apply_fn, params = _load_checked(ref, progress, task, sample_x, source)
+            model_attacks = attacks
+            if is_stochastic(apply_fn):
+                if best_effort or loaded_surrogates:
+                    raise ValueError(
+                        f"model {ref.name!r} is stochastic: best-effort mode and surrogates do not "
+                        "support stochastic models yet (drop --best-effort / --surrogate)")
+                apply_fn = sampling.stochastic(
+                    apply_fn.apply_fn,
+                    calls=apply_fn.calls if judge_calls is None else judge_calls,
+                    threshold=apply_fn.threshold if success_threshold is None
+                    else success_threshold)
+                model_attacks = sampling.with_eot(attacks, eot)
             progress.update(task, description=f"{ref.name}: attack")
             start = time.perf_counter()
             step = lambda done, total: progress.update(task, completed=done, total=total)  # noqa: E731
             evaluation = evaluate_source(
-                apply_fn, params, source, attacks, eps=eps, norm=norm, seed=seed,
+                apply_fn, params, source, model_attacks, eps=eps, norm=norm, seed=seed,
                 batch_size=batch_size, judging=judging, progress=step,
                 checkpoint_dir=None if checkpoint_dir is None else os.path.join(checkpoint_dir, ref.name),
                 images_dir=os.path.join(out, "adversarial", ref.name) if save_images else None,
@@ -355,7 +381,7 @@ def run_job(
         model_origins={m.name: m.origin for m in models},
         surrogates={m.name: m.origin for m in surrogates}, best_effort=best_effort,
         schedule=schedule, threshold=threshold, budget=budget, focus=dict(focus or {}),
-        segments=segments,
+        segments=segments, eot=eot, judge_calls=judge_calls, success_threshold=success_threshold,
         processes=jax.process_count(), devices=jax.device_count(),
     )
     return write_report(out, record, results), results

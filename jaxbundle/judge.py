@@ -45,6 +45,7 @@ __all__ = [
     "check_judging",
     "judged_on_grid",
     "quantize_min_norm",
+    "judged_score",
     "verify",
     "statement",
 ]
@@ -101,6 +102,35 @@ def quantize_min_norm(
     return jnp.take_along_axis(xs, first.reshape((1, -1) + (1,) * (xs.ndim - 2)), axis=0)[0]
 
 
+def judged_score(
+    model: WhiteBoxModel, x: jax.Array, x0: jax.Array, y: jax.Array, norm: str
+) -> tuple[goals_lib.Score, jax.Array]:
+    """The judge's score of images ``x`` and whether all their logits are finite (``[B]``).
+
+    A deterministic model: one call. A stochastic one: each of the judge's calls
+    (``model.samples`` of them, the same keys for every image of an example) scored alone; the
+    success rate is the fraction of calls that misclassify, ``misclassified`` is ``rate >
+    threshold`` (the model's, :class:`jaxbundle.sampling.Stochastic`), margin and
+    wrong-class confidence are the calls' means and the prediction is the class of highest
+    mean probability.
+    """
+    samples = model.sample_logits(x)  # [S, B, K]
+    finite = jnp.all(jnp.isfinite(samples), axis=(0, 2))
+    if not model.stochastic:
+        return goals_lib.score(x, samples[0], x0, y, norm), finite
+    per_call = jax.vmap(lambda z: goals_lib.score(x, z, x0, y, norm))(samples)
+    rate = jnp.mean(per_call.misclassified.astype(jnp.float32), axis=0)
+    mean_probability = jnp.mean(jax.nn.softmax(samples, axis=-1), axis=0)
+    return goals_lib.Score(
+        misclassified=rate > model.apply_fn.threshold,
+        distortion=per_call.distortion[0],
+        confidence=jnp.mean(per_call.confidence, axis=0),
+        margin=jnp.mean(per_call.margin, axis=0),
+        prediction=jnp.argmax(mean_probability, axis=-1).astype(jnp.int32),
+        rate=rate,
+    ), finite
+
+
 def verify(
     best: "BestState",
     goal: str,
@@ -125,17 +155,18 @@ def verify(
 
     Nothing is credited that the attack did not find: where the judged image is misclassified
     but the attack's own candidate was not (the rounding alone flipped it), the example falls
-    back to ``clean``, the clean image's state.
+    back to ``clean``, the clean image's state. A stochastic model is judged over the judge's
+    calls (:func:`judged_score`), which are then the only authority: the attack's own view of
+    its candidate is one noisy draw.
     """
     if goal != "min_norm":
         rounded = norms.quantize(best.x, x0, eps, norm)
     else:
         rounded = quantize_min_norm(model, best.x, x0, y, best.score.misclassified, stretch)
     x = jnp.where(norms.per_example(grid, x0), rounded, best.x)
-    logits = model.logits(x)
-    s = goals_lib.score(x, logits, x0, y, norm)
+    s, finite = judged_score(model, x, x0, y, norm)
     flat = x.reshape(x.shape[0], -1)
-    valid = jnp.all((flat >= 0.0) & (flat <= 1.0), axis=1) & jnp.all(jnp.isfinite(logits), axis=1)
+    valid = jnp.all((flat >= 0.0) & (flat <= 1.0), axis=1) & finite
     if goal != "min_norm":
         valid &= goals_lib.within(s, eps)
     # An invalid image must never win a fold for any goal: worst possible score.
@@ -145,9 +176,10 @@ def verify(
         confidence=jnp.zeros_like(s.confidence),
         margin=jnp.full_like(s.margin, -jnp.inf),
         prediction=s.prediction,
+        rate=jnp.zeros_like(s.rate),
     )
     judged = best._replace(x=x, score=norms.tree_where(valid, s, invalid))
-    credited = ~judged.score.misclassified | best.score.misclassified
+    credited = ~judged.score.misclassified | best.score.misclassified | model.stochastic
     return norms.tree_where(credited, judged, clean)
 
 

@@ -39,6 +39,11 @@ Schema of ``report.json`` (version 1)::
           "eps": float, "norm": str, "seed": int, "goals": [str],
           "judging": {"mode": "auto" | "grid" | "float", "grid_examples": int,
                       "float_examples": int, "grid_radius": float, "statement": str},
+          "stochastic": {                  # only for a stochastic model (jaxbundle.sampling)
+              "calls": int, "threshold": float,  # judge's calls per candidate; fooled above
+              "eot": {"<attack>": int},          # model samples averaged per call
+              "statement": str, "mean_success_rate": float, "mean_clean_success_rate": float,
+              "robust_accuracy_at_threshold": {"<t>": float}},  # fraction, t in 0..0.9
           "per_example": "<model>.npz",
           "seconds": float
         }
@@ -49,7 +54,7 @@ Each ``<model>.npz`` holds arrays of length ``n_examples``: ``label``, ``clean_p
 ``adversarial_prediction``, ``success`` (bool, verified), ``distortion`` (of the reported
 adversarial image), ``winning_attack`` (index into ``attack_names``; -1 = the clean image),
 ``winning_restart``, ``winning_step``, ``attack_success`` (``[n, A]``), ``gradients``,
-``queries`` (black-box model queries), ``black_box_only`` (bool: fooled only by black-box attacks),
+``queries`` (black-box model queries; both count every EOT sample), ``black_box_only`` (bool: fooled only by black-box attacks),
 ``judged_on_grid`` (bool), ``x_adv`` (the judged adversarial images: uint8 when every example
 was judged on the 8-bit grid, else float32), ``max_wrong_confidence`` and ``min_distortion``
 (``inf`` where no misclassified candidate was found), ``attack_distortion`` (``[n, A]``, each
@@ -57,7 +62,10 @@ attack's smallest verified adversarial distortion, ``inf``: none), ``min_distort
 / ``_black_box`` / ``_bundled``, ``clean_wrong_confidence``, ``attack_step`` (``[n, A]``, the
 step of each attack's best candidate; -1: it never beat the clean image, -2: it did not run),
 ``zero_gradient`` (bool: the clean cross-entropy gradient is exactly zero), ``check_flags``
-(``[n, F]`` bool, the per-example checks named by ``check_flag_names``), and ``attack_names``.
+(``[n, F]`` bool, the per-example checks named by ``check_flag_names``), ``attack_names``, and
+for a stochastic model ``success_rate`` and ``clean_success_rate`` (the fraction of the
+judge's calls that misclassify the reported image and the clean image; ``success`` is
+``success_rate > threshold``).
 
 Infinite values (a D1/2 when under half the examples are ever fooled) are written as the string
 ``"inf"``: JSON has no infinity, and a NaN never stands for a number here. ``report.md`` holds
@@ -233,6 +241,8 @@ def markdown(report: dict) -> str:
             "",
             f"Judged: {m['judging']['statement']}.",
             "",
+            *([f"{m['stochastic']['statement']}; {_rates(m['stochastic'])}.", ""]
+              if "stochastic" in m else []),
             f"Fooled only by black-box attacks: {m.get('black_box_only', 0)} examples.",
             "",
         ]
@@ -263,6 +273,13 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _rates(s: dict) -> str:
+    """A stochastic model's robust accuracy at each success-rate threshold, in one line."""
+    at = ", ".join(f"{100 * v:.1f} % at {t}" for t, v in s["robust_accuracy_at_threshold"].items())
+    eot = ", ".join(f"{k} {v}" for k, v in s["eot"].items())
+    return f"robust accuracy {at}; EOT samples: {eot}"
+
+
 def _explicit_inf(value: Any) -> Any:
     """JSON has no infinity: an infinite float (e.g. D1/2 when under half are fooled) is
     written as the string ``"inf"``; NaN is never produced."""
@@ -286,6 +303,9 @@ def print_tables(console: Console, results: dict[str, tuple[Evaluation, float]])
         m = evaluation.metrics
         console.print(table(name, m))
         console.print(f"  judged: {m['judging']['statement']}", highlight=False, soft_wrap=True)
+        if "stochastic" in m:
+            console.print(f"  {m['stochastic']['statement']}; {_rates(m['stochastic'])}",
+                          highlight=False, soft_wrap=True)
         for line in check_lines(m.get("checks", {})):
             console.print(f"  {line}", highlight=False, soft_wrap=True)
         half = m.get("half_distortion")

@@ -59,11 +59,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxbundle import goals as goals_lib
-from jaxbundle import norms
-from jaxbundle.attacks.base import Attack
+from jaxbundle.attacks.base import Attack, per_example_keys
 from jaxbundle import bundler
-from jaxbundle.bundler import BestState, BundleResult, _bundle, candidate_state, fold
-from jaxbundle.judge import judged_on_grid
+from jaxbundle.bundler import BestState, BundleResult, _bundle, fold
 
 __all__ = [
     "SCHEDULES", "Stage", "bucket_sizes", "cascade", "check_focus", "check_segments", "promise",
@@ -123,13 +121,11 @@ def satisfied(
 
 
 @functools.partial(jax.jit, static_argnames=("apply_fn", "goal_names", "norm", "judging"))
-def _start(params, x, y, eps, *, apply_fn, goal_names, norm, judging):
+def _start(params, x, y, key, example_id, eps, *, apply_fn, goal_names, norm, judging):
     """The clean image as every goal's starting best, the eps attacks aim at, the grid flag."""
-    x = x.astype(jnp.float32)
-    y = y.astype(jnp.int32)
-    grid = judged_on_grid(x, judging)
-    eps = jnp.where(grid, norms.grid_radius(eps, norm), eps)
-    clean = candidate_state(x, apply_fn(params, x).astype(jnp.float32), x, y, norm, -1, 0, 0)
+    keys = per_example_keys(key, example_id)
+    x, y, eps, grid, model = bundler._setup(params, x, y, eps, apply_fn, norm, judging, keys)
+    clean = bundler.clean_state(model, x, y, norm)
     return {g: clean for g in goal_names}, clean.score, eps, grid
 
 
@@ -374,7 +370,7 @@ def cascade(
     real = np.ones(batch, bool) if mask is None else np.asarray(mask, bool)
     eps = jnp.broadcast_to(jnp.asarray(eps, jnp.float32), y.shape)
     best, clean, eps_aimed, grid = _start(
-        params, x, y, eps, apply_fn=apply_fn, goal_names=goal_names, norm=norm, judging=judging
+        params, x, y, key, example_id, eps, apply_fn=apply_fn, goal_names=goal_names, norm=norm, judging=judging
     )
     b = _Batch(apply_fn, params, x, y, key, example_id, eps, eps_aimed, norm, goal_names,
                judging, unroll, restart_mode, goal, threshold,
@@ -416,8 +412,8 @@ def cascade(
         best_step = best_step.at[k].set(out.best_step)
         ran = np.zeros(batch, bool)
         ran[order] = True
-        grads = attack.num_restarts * attack.gradients_per_step * out.steps
-        asked = attack.num_restarts * (attack.init_queries + attack.queries_per_step * out.steps)
+        grads = attack.steps_gradients(out.steps)
+        asked = attack.steps_queries(out.steps)
         asked = np.where(ran, asked, 0)
         spent += grads + asked
         gradients += grads

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbundle import norms
+from jaxbundle import norms, sampling
 from jaxbundle.attacks.base import per_example_keys
 from jaxbundle.metrics import relative_robustness
 
@@ -131,7 +131,9 @@ def evaluate_shifts(
         raise ValueError(f"shifts need images [n, H, W, C], got shape {x.shape}")
     y = np.asarray(y)
     key = jax.random.key(seed)
-    predict = jax.jit(lambda p, v: jnp.argmax(apply_fn(p, v), axis=-1))
+    # A stochastic model: one call per image, under a key of its own (an unbiased estimate of
+    # the accuracy per call).
+    predict = jax.jit(lambda p, v, k: jnp.argmax(sampling.logits(apply_fn, p, v, k), axis=-1))
 
     def correct_on(name: str | None, severity: int) -> np.ndarray:
         out = []
@@ -140,7 +142,8 @@ def evaluate_shifts(
             keys = per_example_keys(key, jnp.arange(lo, lo + xb.shape[0]))
             if name is not None:
                 xb = apply_shift(xb, keys, name=name, severity=severity)
-            out.append(np.asarray(predict(params, xb)) == y[lo : lo + batch_size])
+            calls = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, sampling.JUDGE_STREAM)
+            out.append(np.asarray(predict(params, xb, calls)) == y[lo : lo + batch_size])
         return np.concatenate(out)
 
     clean = correct_on(None, 0)

@@ -198,3 +198,45 @@ def test_default_bundle_runs_as_a_focused_cascade(tmp_path, capsys):
         assert (pe["queries"] > 0).sum() == stages[3]["examples"]
     assert m["robust_accuracy"] == stages[-1]["robust_accuracy"]
     assert "square-aa" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_randomized_defence_with_eot_end_to_end(tmp_path, capsys):
+    """The demo defence and a user's stochastic model: EOT, the judge's calls and the
+    threshold from the flags, the stochastic section in report.json, .md and the console."""
+    model_file = tmp_path / "noisy.py"
+    model_file.write_text(
+        "import jax, jaxbundle\n"
+        "from jaxbundle import models\n"
+        "def model():\n"
+        "    apply_fn, params = models.load_or_train(\n"
+        "        models.ADVERSARIAL._replace(n_train=300, epochs=1), cache_dir=%r)\n"
+        "    noisy = lambda p, x, key: apply_fn(p, x + 0.05 * jax.random.normal(key, x.shape))\n"
+        "    return jaxbundle.stochastic(noisy), params\n" % str(tmp_path / "cache"))
+    out = tmp_path / "report"
+    argv = ["evaluate", *TINY, "--models", "randomized,adversarial", "--model",
+            f"noisy={model_file}:model", "--attacks", "fgsm,pgd-ce", "--eot", "4",
+            "--judge-calls", "8", "--success-threshold", "0.25", "--no-shifts",
+            "--no-compile-cache", "--out", str(out), "--cache-dir", str(tmp_path / "cache")]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "judged over 8 fresh calls" in printed
+    report = json.loads((out / "report.json").read_text())
+    assert report["config"]["eot"] == 4 and report["config"]["judge_calls"] == 8
+    assert "stochastic" not in report["models"]["adversarial"]  # deterministic: no EOT
+    for name in ("randomized", "noisy"):
+        m = report["models"][name]
+        s = m["stochastic"]
+        assert (s["calls"], s["threshold"], s["eot"]) == (8, 0.25, {"fgsm": 4, "pgd-ce": 4})
+        assert m["checks"]["randomness"]["passed"], m["checks"]["randomness"]
+        assert abs(100 * s["robust_accuracy_at_threshold"]["0.25"] - m["robust_accuracy"]) < 1e-6
+        with np.load(out / m["per_example"]) as pe:
+            np.testing.assert_array_equal(pe["success"], pe["success_rate"] > 0.25)
+            ok = pe["clean_success_rate"] <= 0.25
+            assert np.all(pe["gradients"][ok] == 4 * (1 + 3 * 2))  # fgsm + pgd 3 steps x 2
+    assert "judged over 8 fresh calls" in (out / "report.md").read_text()
+    # Best-effort mode does not support a stochastic model yet: a clear error.
+    assert main(["evaluate", *TINY, "--models", "randomized", "--attacks", "fgsm",
+                 "--best-effort", "--no-shifts", "--out", str(out), "--cache-dir",
+                 str(tmp_path / "cache")]) == 2
+    assert "best-effort mode and surrogates do not support" in capsys.readouterr().err

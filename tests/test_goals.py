@@ -54,6 +54,7 @@ class Stream:
                 confidence=jnp.asarray(self.confidence[i]),
                 margin=jnp.asarray(self.margin[i]),
                 prediction=full + 100,
+                rate=jnp.asarray(self.mis[i], jnp.float32),
             ),
             attack=full,
             restart=full + 1000,
@@ -340,7 +341,8 @@ def test_fold_selects_whole_images_per_example():
 def _score(distortion, misclassified):
     d = jnp.asarray(distortion, jnp.float32)
     z = jnp.zeros_like(d)
-    return goals.Score(jnp.asarray(misclassified), d, z, z, z.astype(jnp.int32))
+    return goals.Score(jnp.asarray(misclassified), d, z, z, z.astype(jnp.int32),
+                       jnp.asarray(misclassified, jnp.float32))
 
 
 def test_within_tolerance():

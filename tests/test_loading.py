@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import jaxbundle
 from jaxbundle import models
 from jaxbundle.models import LoadedModel, ModelSpec, check_model, load_model, parse_spec
 
@@ -379,8 +380,14 @@ def test_check_model_catches_stochastic_models():
     for fn, p in ((counter_noise, w), (numpy_noise, w), (dropout_on, params)):
         message = _error(ValueError, r"looks stochastic: two calls on the same images gave "
                          r"different logits", check_model, fn, p, X, name="noisy")
-        assert "deterministic" in message and "explicit key argument" in message
-        assert "deterministic=True" in message and "fixed PRNG key" in message
+        assert "deterministic=True" in message and "jaxbundle.stochastic(fn)" in message
+    # Declared stochastic: checked under fixed keys; randomness not drawn from the key fails.
+    declared = jaxbundle.stochastic(lambda p, x, key: apply_fn(p, x)
+                                    + 0.01 * jax.random.normal(key, (x.shape[0], 10)))
+    assert check_model(declared, w, X, name="noisy") == 10
+    careless = jaxbundle.stochastic(lambda p, x, key: counter_noise(p, x))
+    _error(ValueError, r"declared stochastic but two calls with the same keys gave different",
+           check_model, careless, w, X, name="noisy")
 
 
 # ----------------------------------------------------------------------------- examples

@@ -40,6 +40,9 @@ from typing import Any, Callable, NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 
+from jaxbundle import sampling as sampling
+from jaxbundle.sampling import is_stochastic
+
 __all__ = [
     "KINDS",
     "Candidate",
@@ -67,7 +70,7 @@ class Candidate(NamedTuple):
 class _Oracle:
     """A black-box view of the model: ``_answer`` of the images and nothing else (the model
     stays in a closure), plus ``grid`` (see :class:`WhiteBoxModel`): how each example will be
-    judged."""
+    judged. A stochastic model answers with its samples combined (see :class:`WhiteBoxModel`)."""
 
     __slots__ = ("_fn", "grid")
 
@@ -76,41 +79,51 @@ class _Oracle:
         apply_fn: Callable[[Any, jax.Array], jax.Array],
         params: Any,
         grid: jax.Array | None = None,
+        keys: jax.Array | None = None,
+        samples: int = 1,
     ):
         answer = type(self)._answer
-        self._fn = lambda x: answer(apply_fn(params, jax.lax.stop_gradient(x)))
+        model = WhiteBoxModel(apply_fn, params, grid, keys, samples)
+        self._fn = lambda x: answer(model.sample_logits(jax.lax.stop_gradient(x)))
         self.grid = grid
 
     @staticmethod
-    def _answer(logits: jax.Array) -> jax.Array:
+    def _answer(samples: jax.Array) -> jax.Array:
         raise NotImplementedError
 
 
 class ScoreOracle(_Oracle):
-    """What a score-based attacker sees: the logits of a batch, without gradients."""
+    """What a score-based attacker sees: the logits of a batch, without gradients (a
+    stochastic model's: the mean over its samples)."""
 
     __slots__ = ()
 
     @staticmethod
-    def _answer(logits: jax.Array) -> jax.Array:
-        return jax.lax.stop_gradient(logits.astype(jnp.float32))
+    def _answer(samples: jax.Array) -> jax.Array:
+        return jax.lax.stop_gradient(jnp.mean(samples, axis=0))
 
     def logits(self, x: jax.Array) -> jax.Array:
-        """Logits ``[B, K]`` for images ``[B, ...]``; one query per example."""
+        """Logits ``[B, K]`` for images ``[B, ...]``; one query per example and sample."""
         return self._fn(x)
 
 
 class LabelOracle(_Oracle):
-    """What a decision-based attacker sees: the predicted label of each image."""
+    """What a decision-based attacker sees: the predicted label of each image (a stochastic
+    model's: the most frequent over its samples, the smaller label on a tie)."""
 
     __slots__ = ()
 
     @staticmethod
-    def _answer(logits: jax.Array) -> jax.Array:
-        return jnp.argmax(jax.lax.stop_gradient(logits), axis=-1).astype(jnp.int32)
+    def _answer(samples: jax.Array) -> jax.Array:
+        labels = jnp.argmax(jax.lax.stop_gradient(samples), axis=-1)
+        if samples.shape[0] == 1:
+            return labels[0].astype(jnp.int32)
+        votes = jnp.sum(jax.nn.one_hot(labels, samples.shape[-1], dtype=jnp.int32), axis=0)
+        return jnp.argmax(votes, axis=-1).astype(jnp.int32)
 
     def label(self, x: jax.Array) -> jax.Array:
-        """Predicted labels ``[B]`` (int32) for images ``[B, ...]``; one query per example."""
+        """Predicted labels ``[B]`` (int32) for images ``[B, ...]``; one query per example and
+        sample."""
         return self._fn(x)
 
 
@@ -126,18 +139,21 @@ def threat_model(
     apply_fn: Callable[[Any, jax.Array], jax.Array],
     params: Any,
     grid: jax.Array | None = None,
+    keys: jax.Array | None = None,
+    samples: int = 1,
 ):
-    """The model object an attack of ``kind`` receives, with the judging mask ``grid``; an
+    """The model object an attack of ``kind`` receives, with the judging mask ``grid`` (and,
+    for a stochastic model, the per-example ``keys`` of this step and the EOT ``samples``); an
     unknown kind is an error (a typo must never hand gradients to a black-box attack)."""
     check_kind(kind)
     if kind == "score-based":
-        return ScoreOracle(apply_fn, params, grid)
+        return ScoreOracle(apply_fn, params, grid, keys, samples)
     if kind == "decision-based":
-        return LabelOracle(apply_fn, params, grid)
-    return WhiteBoxModel(apply_fn, params, grid)
+        return LabelOracle(apply_fn, params, grid, keys, samples)
+    return WhiteBoxModel(apply_fn, params, grid, keys, samples)
 
 
-class WhiteBoxModel(NamedTuple):
+class WhiteBoxModel:
     """Full access to a differentiable classifier: ``apply_fn(params, x) -> logits``.
 
     Built inside the bundler's jitted function, so ``params`` are traced jit arguments.
@@ -145,15 +161,63 @@ class WhiteBoxModel(NamedTuple):
     ``grid`` (``[B]`` bool, or ``None``: wherever the clean image is on the grid) tells the
     attacker which examples the bundle judges on the 8-bit grid, so that an attack searching
     on the grid does so exactly where it matters (:func:`jaxbundle.norms.snap_to_grid`).
+
+    A stochastic model (:func:`jaxbundle.stochastic`) also needs ``keys`` (``[B]``: this
+    step's key per example) and averages ``samples`` calls (EOT) in every answer, as one
+    ``vmap`` axis: the logits are the mean logits, :meth:`loss_and_grad` the mean loss and its
+    gradient. Each call site draws fresh keys, ``fold_in(keys, n)`` for the ``n``-th call made
+    on this object while tracing (``fresh=False``: the same keys every call, as the judge
+    wants: every candidate of an example under the same calls).
     """
 
-    apply_fn: Callable[[Any, jax.Array], jax.Array]
-    params: Any
-    grid: jax.Array | None = None
+    __slots__ = ("apply_fn", "params", "grid", "keys", "samples", "fresh", "_calls")
+
+    def __init__(
+        self,
+        apply_fn: Callable[[Any, jax.Array], jax.Array],
+        params: Any,
+        grid: jax.Array | None = None,
+        keys: jax.Array | None = None,
+        samples: int = 1,
+        fresh: bool = True,
+    ):
+        self.apply_fn = apply_fn
+        self.params = params
+        self.grid = grid
+        self.keys = keys
+        self.samples = samples
+        self.fresh = fresh
+        self._calls = 0
+
+    def replace(self, **changes: Any) -> "WhiteBoxModel":
+        """A copy with the given fields (``apply_fn``, ``params``, ...) changed."""
+        fields = {k: getattr(self, k) for k in self.__slots__ if not k.startswith("_")}
+        return WhiteBoxModel(**{**fields, **changes})
+
+    _replace = replace  # as the named tuple it once was
+
+    @property
+    def stochastic(self) -> bool:
+        return is_stochastic(self.apply_fn)
+
+    def sample_logits(self, x: jax.Array) -> jax.Array:
+        """Logits ``[S, B, K]`` (float32) of ``samples`` calls (``S = 1`` for a deterministic
+        model)."""
+        if not self.stochastic:
+            return self.apply_fn(self.params, x).astype(jnp.float32)[None]
+        if self.keys is None:
+            raise ValueError("a stochastic model needs per-example keys")
+        call = self._calls if self.fresh else 0
+        self._calls += 1
+        keys = sampling.call_keys(self.keys, call, self.samples)
+        return sampling.sample_logits(self.apply_fn, self.params, x, keys)
 
     def logits(self, x: jax.Array) -> jax.Array:
-        """Logits ``[B, K]`` for images ``[B, ...]`` (in float32)."""
-        return self.apply_fn(self.params, x).astype(jnp.float32)
+        """Logits ``[B, K]`` for images ``[B, ...]`` (in float32; a stochastic model's: the mean
+        over its samples)."""
+        if not self.stochastic:
+            return self.apply_fn(self.params, x).astype(jnp.float32)
+        return jnp.mean(self.sample_logits(x), axis=0)
 
     def loss_and_grad(
         self, loss_fn: Callable[..., jax.Array], x: jax.Array, *args: jax.Array
@@ -161,12 +225,18 @@ class WhiteBoxModel(NamedTuple):
         """Per-example loss ``[B]``, its gradient w.r.t. ``x`` ``[B, ...]``, and the logits.
 
         ``loss_fn(logits, *args) -> [B]``. Examples are independent, so the gradient of the
-        summed loss is the per-example gradient; one forward and one backward pass in all.
+        summed loss is the per-example gradient; one forward and one backward pass in all (a
+        stochastic model: per sample, the loss, gradient and logits averaged over them).
         """
 
         def total(x_):
-            logits = self.logits(x_)
-            per_example = loss_fn(logits, *args)
+            if self.stochastic:
+                samples = self.sample_logits(x_)
+                per_example = jnp.mean(jax.vmap(lambda z: loss_fn(z, *args))(samples), axis=0)
+                logits = jnp.mean(samples, axis=0)
+            else:
+                logits = self.logits(x_)
+                per_example = loss_fn(logits, *args)
             return jnp.sum(per_example), (per_example, logits)
 
         grad, (loss, logits) = jax.grad(total, has_aux=True)(x)
@@ -208,6 +278,8 @@ class Attack(NamedTuple):
         whose iterates stay inside the eps ball, or ``"min_norm"`` for minimum-norm attacks,
         which ignore eps and look for the smallest adversarial perturbation (the bundler then
         tracks the min-norm goal too; their candidates within eps also count for misclassify).
+      eot: model samples averaged per model call against a stochastic model (expectation over
+        transformation, see :mod:`jaxbundle.sampling`); each counts as a gradient or query.
     """
 
     name: str
@@ -222,16 +294,27 @@ class Attack(NamedTuple):
     goal: str = "misclassify"
     init_queries: int = 0
     queries_per_step: int = 0
+    eot: int = 1
 
     @property
     def gradients(self) -> int:
-        """Gradient evaluations the attack spends on one example, all restarts included."""
-        return self.num_steps * self.num_restarts * self.gradients_per_step
+        """Gradient evaluations the attack spends on one example, all restarts and EOT samples
+        included."""
+        return self.steps_gradients(self.num_steps)
 
     @property
     def queries(self) -> int:
-        """Model queries the attack spends on one example, all restarts included."""
-        return self.num_restarts * (self.init_queries + self.num_steps * self.queries_per_step)
+        """Model queries the attack spends on one example, all restarts and EOT samples
+        included."""
+        return self.steps_queries(self.num_steps)
+
+    def steps_gradients(self, steps: Any) -> Any:
+        """Gradient evaluations of ``steps`` steps on one example (all restarts and samples)."""
+        return self.num_restarts * self.eot * self.gradients_per_step * steps
+
+    def steps_queries(self, steps: Any) -> Any:
+        """Model queries of ``init`` and ``steps`` steps on one example (restarts, samples)."""
+        return self.num_restarts * self.eot * (self.init_queries + self.queries_per_step * steps)
 
     @property
     def black_box(self) -> bool:

@@ -6,6 +6,8 @@
 * :mod:`~jaxbundle.models.training`: :class:`TrainConfig`, :func:`train` (standard or PGD
   adversarial), :func:`pgd_linf`, :func:`accuracy`.
 * :mod:`~jaxbundle.models.cache`: :func:`load_or_train` and the demo models :data:`MODELS`.
+* :mod:`~jaxbundle.models.randomized`: :func:`randomized`, a randomised defence (input noise
+  and a random shift) around any model, and the demo defences :data:`DEFENCES`.
 * :mod:`~jaxbundle.models.loading`: a user's model from ``MODULE:FUNCTION`` (:func:`load_model`)
   and a sanity check of its logits (:func:`check_model`).
 
@@ -35,6 +37,7 @@ from jaxbundle.models.cache import (
 )
 from jaxbundle.models.layers import CanonicalConvolutions, Conv, canonical_convolutions, conv_same
 from jaxbundle.models.loading import LoadedModel, ModelSpec, check_model, load_model, parse_spec
+from jaxbundle.models.randomized import DEFENCES, Defence, randomized
 from jaxbundle.models.training import (
     ADVERSARIAL,
     ADVERSARIAL_LINEN,
@@ -65,6 +68,9 @@ __all__ = [
     "ADVERSARIAL",
     "ADVERSARIAL_LINEN",
     "MODELS",
+    "DEFENCES",
+    "Defence",
+    "randomized",
     "model_for",
     "model_name",
     "config_hash",

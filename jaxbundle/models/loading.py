@@ -37,7 +37,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxbundle import sampling
 from jaxbundle.models.architectures import ApplyFn, Params
+from jaxbundle.sampling import is_stochastic
 
 __all__ = ["LoadedModel", "ModelSpec", "check_model", "load_model", "parse_spec"]
 
@@ -188,6 +190,8 @@ def check_model(
         raise ValueError(f"{where}: apply_fn is not callable (got {_describe(apply_fn)})")
     x = jnp.asarray(np.asarray(x, np.float32))
     batch = x.shape[0]
+    declared = is_stochastic(apply_fn)
+    apply_fn = sampling.fixed(apply_fn)  # a declared stochastic model: one fixed key per image
     expected = f"[{batch}, {num_classes if num_classes is not None else 'K'}]"
 
     def run() -> np.ndarray:
@@ -231,12 +235,18 @@ def check_model(
     tol = 1e-6 * max(float(np.max(np.abs(logits))), 1.0)  # float rounding only, no real noise
     if not comparable or not np.allclose(again, logits, rtol=1e-6, atol=tol):
         diff = float(np.max(np.abs(again - logits))) if comparable else float("inf")
+        if declared:
+            raise ValueError(
+                f"{where} is declared stochastic but two calls with the same keys gave different "
+                f"logits (largest difference {diff:.3g}): it must draw all its randomness from "
+                "its key argument (no np.random, no Python counters)"
+            )
         raise ValueError(
             f"{where} looks stochastic: two calls on the same images gave different logits "
             f"(largest difference {diff:.3g}); it is random at test time (dropout left on, noise, "
-            "random transforms?). jaxbundle evaluates deterministic models; randomised models "
-            "will be supported through an explicit key argument. For now make it deterministic "
-            "(e.g. deterministic=True for dropout, a fixed PRNG key)"
+            "random transforms?). Declare it: return (jaxbundle.stochastic(fn), params) with "
+            "fn(params, x, key) drawing all its randomness from key (then use --eot), or make it "
+            "deterministic (e.g. deterministic=True for dropout)"
         )
     return int(k)
 

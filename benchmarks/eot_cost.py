@@ -1,0 +1,113 @@
+"""What one EOT sample costs: jaxbundle's PGD with EOT against the forward+backward floor.
+
+The model is the randomised demo defence (``jaxbundle.models.randomized``: Gaussian noise and a
+random shift of up to 2 pixels in front of the adversarially trained demo CNN). For EOT
+sample counts ``S``, timed interleaved in one process (medians over ``--repeats`` rounds):
+
+* ``floor_S``: ``steps`` chained signed-gradient steps, each the plain forward and backward
+  pass of the defended model on the ``B x S`` transformed images at once (one batched call,
+  one key per image), averaged over the samples: what any EOT needs;
+* ``bundle_S``: ``jaxbundle.bundle`` with PGD (``steps`` steps, one restart) at ``eot=S``,
+  the judge's calls set to 1 so that the judging does not hide the per-sample cost (its
+  clean-image, final-iterate and verification calls are a fixed cost per example).
+
+The figure of merit is the cost of one more sample: ``(bundle_S - bundle_1) / (floor_S -
+floor_1)``, and the whole run's ratio ``bundle_S / floor_S``. Model passes are counted from
+the attack's budget (``gradients`` per example) and checked against ``steps * S``.
+
+    python benchmarks/eot_cost.py --n 64 --steps 10 --eot 1 8 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+
+from pgd_speed import machine_facts, run_interleaved  # noqa: E402
+
+import jaxbundle  # noqa: E402
+from jaxbundle import losses, models  # noqa: E402
+from jaxbundle.attacks import pgd  # noqa: E402
+from jaxbundle.data import load_mnist_sample  # noqa: E402
+from jaxbundle.models.randomized import DEFENCES, transform  # noqa: E402
+
+EPS = 0.3
+
+
+def make_floor(base_apply, params, x, y, key, steps, samples, noise, shift):
+    """``steps`` signed steps on the mean gradient over ``samples`` draws per image, each step
+    one batched forward+backward of the defended model on ``B x samples`` images."""
+    b = x.shape[0]
+    keys = jax.random.split(key, (steps, b * samples))
+
+    def total(xa, k):
+        rep = jnp.repeat(xa, samples, axis=0)
+        seen = jax.vmap(lambda xi, ki: transform(xi[None], ki, noise, shift)[0])(rep, k)
+        logits = base_apply(params, seen)
+        return jnp.sum(losses.cross_entropy(logits, jnp.repeat(y, samples))) / samples
+
+    @jax.jit
+    def run(xa):
+        def body(v, k):
+            return jnp.clip(v + 1e-3 * jnp.sign(jax.grad(total)(v, k)), 0.0, 1.0), None
+
+        return jax.lax.scan(body, xa, keys)[0]
+
+    return lambda: run(x)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n", type=int, default=64)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--eot", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", default="benchmarks/results/eot_cost.json")
+    args = p.parse_args(argv)
+
+    base_apply, params = models.load_or_train(models.ADVERSARIAL)
+    defence = DEFENCES["randomized"]
+    x, y = load_mnist_sample("test")
+    x = jnp.asarray(x[: args.n], jnp.float32) / 255.0
+    y = jnp.asarray(y[: args.n], jnp.int32)
+    key = jax.random.key(0)
+    model = models.randomized(base_apply, noise=defence.noise, shift=defence.shift, calls=1)
+    variants, passes = {}, {}
+    for s in args.eot:
+        variants[f"floor_{s}"] = make_floor(models.canonical_convolutions(base_apply), params,
+                                            x, y, key, args.steps, s, defence.noise,
+                                            defence.shift)
+        attack = jaxbundle.with_eot([pgd(steps=args.steps)], s)[0]
+        variants[f"bundle_{s}"] = (
+            lambda a=attack: jaxbundle.bundle([a], model, params, x, y, key, eps=EPS))
+        res = variants[f"bundle_{s}"]()
+        passes[s] = int(np.asarray(res.gradients)[0])
+        assert passes[s] == args.steps * s, (passes[s], args.steps * s)
+    timing = run_interleaved(variants, args.repeats, "eot")
+    med = {k: v["median_s"] for k, v in timing.items()}
+    lo, hi = min(args.eot), max(args.eot)
+    summary = {
+        "per_sample_ratio": (med[f"bundle_{hi}"] - med[f"bundle_{lo}"])
+        / (med[f"floor_{hi}"] - med[f"floor_{lo}"]),
+        "whole_run_ratio": {s: med[f"bundle_{s}"] / med[f"floor_{s}"] for s in args.eot},
+        "seconds_per_sample_step": {
+            k: med[k] / (args.steps * int(k.split("_")[1]) * args.n) for k in med},
+        "gradients_per_example": passes,
+    }
+    record = dict(config=vars(args), machine=machine_facts(), timing=timing, summary=summary)
+    pathlib.Path(args.out).write_text(json.dumps(record, indent=1, default=str))
+    print(json.dumps(summary, indent=1))
+    print({k: round(v, 4) for k, v in med.items()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,349 @@
+"""Stochastic models: EOT as a vmap axis, per-example keys, judging over many calls and the
+bundle's best-on-average rule."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy.stats import norm as gaussian
+
+import jaxbundle
+from jaxbundle import attacks as attacks_lib
+from jaxbundle import goals as goals_lib
+from jaxbundle import sampling
+from jaxbundle import suites
+from jaxbundle.attacks.base import Attack, Candidate, LabelOracle, ScoreOracle, WhiteBoxModel
+from jaxbundle.bundler import bundle, goals_for
+from jaxbundle.schedule import cascade
+from toys import dot_flops, images, linear_apply, linear_problem, min_distance
+
+KEY = jax.random.key(3)
+SIGMA = 0.05
+
+
+def noisy_linear(params, x, key):
+    """The toy linear model behind additive Gaussian input noise of std SIGMA."""
+    return linear_apply(params, x + SIGMA * jax.random.normal(key, x.shape))
+
+
+def _keys(n, seed=0):
+    return jax.random.split(jax.random.key(seed), n)
+
+
+# --- declaring a stochastic model ----------------------------------------------------------
+
+
+def test_declaration_is_validated():
+    model = jaxbundle.stochastic(noisy_linear, calls=8, threshold=0.25)
+    assert sampling.is_stochastic(model) and not sampling.is_stochastic(linear_apply)
+    assert (model.calls, model.threshold) == (8, 0.25)
+    assert jaxbundle.stochastic(model, calls=3).apply_fn is noisy_linear  # re-declared, unwrapped
+    for bad in (dict(calls=0), dict(calls=2.0), dict(threshold=1.0), dict(threshold=-0.1)):
+        with pytest.raises(ValueError, match="calls|threshold"):
+            jaxbundle.stochastic(noisy_linear, **bad)
+    with pytest.raises(TypeError, match="callable"):
+        jaxbundle.stochastic(3)
+    assert [a.eot for a in jaxbundle.with_eot([attacks_lib.pgd(), attacks_lib.fgsm()], 4)] == [4, 4]
+    with pytest.raises(ValueError, match="eot"):
+        jaxbundle.with_eot([attacks_lib.pgd()], 0)
+
+
+def test_eot_on_a_deterministic_model_is_an_error():
+    params, x, y = linear_problem(n=4)
+    with pytest.raises(ValueError, match="eot=4 but the model is deterministic"):
+        bundle(jaxbundle.with_eot([attacks_lib.pgd(steps=2)], 4), linear_apply, params, x, y, KEY,
+               eps=0.1)
+
+
+def test_each_example_draws_from_its_own_key_whatever_the_batch():
+    params, x, _ = linear_problem(n=6)
+    model = jaxbundle.stochastic(noisy_linear)
+    keys = _keys(6)
+    whole = sampling.logits(model, params, jnp.asarray(x), keys)
+    parts = [sampling.logits(model, params, jnp.asarray(x[i:i + 2]), keys[i:i + 2])
+             for i in (0, 2, 4)]
+    np.testing.assert_allclose(np.asarray(whole), np.concatenate(parts), rtol=1e-6)
+    # ... and the calls differ from the clean model's and from each other.
+    clean = np.asarray(linear_apply(params, jnp.asarray(x)))
+    again = sampling.logits(model, params, jnp.asarray(x), _keys(6, seed=1))
+    assert not np.allclose(np.asarray(whole), clean) and not np.allclose(whole, again)
+    with pytest.raises(ValueError, match="needs a key per example"):
+        sampling.logits(model, params, jnp.asarray(x))
+
+
+# --- EOT: the averaged gradient, scores and labels -------------------------------------------
+
+
+def test_eot_gradient_of_a_noisy_linear_model_converges_to_the_analytic_expectation():
+    """Loss 0.5 ||z||^2 with z = W^T (x + sigma n) + b: the expected input gradient is
+    W (W^T x + b), each sample's is off by sigma W W^T n, so the EOT mean over S samples is off
+    by sigma W W^T n_bar with n_bar ~ N(0, I / S)."""
+    params, x, _ = linear_problem(n=16, d=20, k=4)
+    x = jnp.asarray(x)
+    w = np.asarray(params["w"], np.float64)
+    expected = (np.asarray(x, np.float64) @ w + np.asarray(params["b"])) @ w.T
+    loss = lambda z: 0.5 * jnp.sum(z**2, axis=-1)  # noqa: E731
+    model = jaxbundle.stochastic(noisy_linear)
+    scale = SIGMA * np.linalg.norm(w @ w.T, 2)  # bound on |sigma W W^T n| per unit |n|
+    errors = {}
+    for samples in (1, 1024):
+        m = WhiteBoxModel(model, params, None, _keys(16, seed=5), samples)
+        value, grad, logits = jax.jit(lambda x_: m.loss_and_grad(loss, x_))(x)
+        errors[samples] = np.linalg.norm(np.asarray(grad, np.float64) - expected, axis=1)
+        assert logits.shape == (16, 4) and value.shape == (16,)
+    # One sample: noisy (about sigma |W W^T n|, n ~ N(0, I_20)); 1024: 32 times closer.
+    assert np.median(errors[1]) > 0.3 * scale
+    assert np.all(errors[1024] < 6 * scale * np.sqrt(20 / 1024))
+    assert np.median(errors[1024]) < np.median(errors[1]) / 10
+
+
+def test_eot_mean_is_the_mean_of_its_samples_under_the_documented_keys():
+    params, x, y = linear_problem(n=5)
+    x = jnp.asarray(x)
+    model = jaxbundle.stochastic(noisy_linear)
+    keys = _keys(5, seed=2)
+    m = WhiteBoxModel(model, params, None, keys, 3)
+    ce = lambda z, y_: -jnp.take_along_axis(jax.nn.log_softmax(z), y_[:, None], 1)[:, 0]  # noqa
+    value, grad, logits = m.loss_and_grad(ce, x, jnp.asarray(y))
+    # the first call site draws split(fold_in(keys[b], 0), 3)
+    per_sample = []
+    for s in range(3):
+        k = jax.vmap(lambda kb: jax.random.split(jax.random.fold_in(kb, 0), 3)[s])(keys)
+        f = lambda x_: jnp.sum(ce(sampling.logits(model, params, x_, k), jnp.asarray(y)))  # noqa
+        per_sample.append((f(x), jax.grad(f)(x), sampling.logits(model, params, x, k)))
+    np.testing.assert_allclose(np.asarray(grad), np.mean([g for _, g, _ in per_sample], 0),
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(logits), np.mean([z for _, _, z in per_sample], 0),
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(float(jnp.sum(value)), np.mean([v for v, _, _ in per_sample]),
+                               rtol=1e-5)
+    # A second call on the same object draws fresh keys.
+    assert not np.allclose(np.asarray(m.logits(x)), np.asarray(logits))
+
+
+def test_eot_samples_are_one_vmap_axis_and_each_is_a_model_pass():
+    """The program of an EOT-S gradient holds S forward and backward passes, not more, and the
+    attack's budget counts each sample."""
+    params, x, y = linear_problem(n=8)
+    x = jnp.asarray(x)
+    model = jaxbundle.stochastic(noisy_linear)
+    loss = lambda z: jnp.sum(z, axis=-1)  # noqa: E731
+
+    def flops(samples):
+        m = WhiteBoxModel(model, params, None, _keys(8), samples)
+        return dot_flops(jax.make_jaxpr(lambda x_: m.loss_and_grad(loss, x_))(x).jaxpr)
+
+    assert flops(8) == 8 * flops(1)
+    pgd = jaxbundle.with_eot([attacks_lib.pgd(steps=5, restarts=2)], 4)[0]
+    assert pgd.gradients == 5 * 2 * 4
+    square = jaxbundle.with_eot([attacks_lib.square(queries=11)], 3)[0]
+    assert square.queries == 3 * (square.init_queries + 10 * square.queries_per_step)
+    res = bundle([pgd, square], jaxbundle.stochastic(noisy_linear), params, x, y, KEY, eps=0.02)
+    np.testing.assert_array_equal(np.asarray(res.gradients), pgd.gradients)
+    np.testing.assert_array_equal(np.asarray(res.queries), square.queries)
+
+
+def test_black_box_oracles_average_scores_and_vote_labels():
+    params, x, y = linear_problem(n=6)
+    x = jnp.asarray(x)
+    model = jaxbundle.stochastic(noisy_linear)
+    keys = _keys(6, seed=4)
+    draws = WhiteBoxModel(model, params, None, keys, 9).sample_logits(x)  # call site 0
+    scores = ScoreOracle(model, params, None, keys, 9).logits(x)
+    np.testing.assert_allclose(np.asarray(scores), np.asarray(jnp.mean(draws, 0)), rtol=1e-6)
+    labels = np.asarray(LabelOracle(model, params, None, keys, 9).label(x))
+    votes = np.stack([np.bincount(np.argmax(np.asarray(draws[:, b]), -1), minlength=4)
+                      for b in range(6)])
+    np.testing.assert_array_equal(labels, np.argmax(votes, axis=1))
+
+
+# --- judging over many calls and best-on-average -----------------------------------------
+
+
+def _two_pixel_model(params, x, key):
+    """Two classes; the wrong class's margin is 8 (a - 0.5) + 10 b n, n ~ N(0, 1), for pixels
+    a, b of x: a candidate's probability of fooling one call is Phi(mean / std)."""
+    a, b = x[:, 0], x[:, 1]
+    margin = 8.0 * (a - 0.5) + 10.0 * b * jax.random.normal(key, a.shape)
+    return jnp.stack([jnp.zeros_like(margin), margin], axis=1)
+
+
+# A is the lucky candidate (mean margin -1, std 2: fools 31 % of calls), B the robust one
+# (mean +0.8, std 1: fools 79 %).
+LUCKY, ROBUST = (0.375, 0.2), (0.6, 0.1)
+P_LUCKY, P_ROBUST = gaussian.cdf(-1 / 2), gaussian.cdf(0.8 / 1)
+
+
+class _Proposal(NamedTuple):
+    x: jax.Array
+
+
+def _proposer(order):
+    """An attack whose restart r proposes the candidate order[r] (for one step) and claims, as
+    a single lucky call would, that the lucky one is far deeper in the wrong class."""
+    order = tuple(map(tuple, order))
+
+    def init(config, keys, x0, y, eps, model, restart):
+        return _Proposal(jnp.broadcast_to(jnp.asarray(order, jnp.float32)[restart], x0.shape))
+
+    def step(config, state, model):
+        lucky = jnp.all(state.x == jnp.asarray([LUCKY], jnp.float32), axis=1)
+        claim = jnp.where(lucky, 10.0, 0.5)
+        return state, Candidate(state.x, jnp.stack([jnp.zeros_like(claim), claim], axis=1))
+
+    return Attack("proposer", "white-box", "linf", 1, len(order), 1, init, step, order)
+
+
+def _propose(order, calls=400, threshold=0.5):
+    x = jnp.tile(jnp.asarray([[0.5, 0.0]], jnp.float32), (4, 1))
+    model = jaxbundle.stochastic(_two_pixel_model, calls=calls, threshold=threshold)
+    return bundle([_proposer(order)], model, {}, x, jnp.zeros(4, jnp.int32), KEY, eps=0.5,
+                  judging="float", validate=False)
+
+
+def _close(rate, p, calls=400):
+    return np.all(np.abs(np.asarray(rate) - p) < 4 * np.sqrt(p * (1 - p) / calls))
+
+
+def test_the_bundle_keeps_the_candidate_best_on_average_not_the_luckiest():
+    res = _propose((LUCKY, ROBUST))
+    best = res.best["misclassify"]
+    np.testing.assert_allclose(np.asarray(best.x), np.tile([ROBUST], (4, 1)))
+    assert np.all(np.asarray(best.restart) == 1)
+    assert _close(best.score.rate, P_ROBUST)
+    assert np.all(np.asarray(res.attack_success[0]))
+    # The order of the restarts does not matter; and the lucky candidate alone (a single-call
+    # view would have kept it) fools under a third of the calls: not an adversarial example.
+    swapped = _propose((ROBUST, LUCKY)).best["misclassify"]
+    np.testing.assert_allclose(np.asarray(swapped.x), np.asarray(best.x))
+    alone = _propose((LUCKY,))
+    assert _close(alone.best["misclassify"].score.rate, P_LUCKY)
+    assert not np.asarray(alone.attack_success[0]).any()
+    # Under a threshold of 0.25 it counts.
+    assert np.all(np.asarray(_propose((LUCKY,), threshold=0.25).attack_success[0]))
+
+
+def test_judge_rate_and_threshold():
+    """The same candidate under thresholds 0.25 and 0.5: fooled in 31 % of the calls."""
+    x = jnp.tile(jnp.asarray([LUCKY], jnp.float32), (3, 1))
+    y = jnp.zeros(3, jnp.int32)
+    for threshold, fooled in ((0.25, True), (0.5, False)):
+        model = jaxbundle.stochastic(_two_pixel_model, calls=400, threshold=threshold)
+        res = bundle([attacks_lib.fgsm()], model, {}, x, y, KEY, eps=0.0, judging="float",
+                     validate=False)
+        assert np.all(np.asarray(res.clean.misclassified) == fooled)
+        np.testing.assert_allclose(np.asarray(res.clean.rate), P_LUCKY, atol=0.1)
+
+
+# --- every kind of attack, the cascade, the evaluation and its checks ------------------------
+
+
+def _noisy_problem(n=24):
+    params, x, y = linear_problem(n=n, k=5, seed=3)
+    eps = float(np.quantile(min_distance(params, x, y, "linf"), 0.5))
+    return params, np.asarray(images(x)), y, eps
+
+
+_KINDS = [attacks_lib.pgd(steps=6, restarts=2), suites.attack("apgd-ce", "linf", steps=6),
+          attacks_lib.square(queries=30), suites.attack("rays", "linf", steps=20),
+          attacks_lib.fab(targets=4, steps=4), attacks_lib.deepfool("linf", steps=4, candidates=4)]
+
+
+@pytest.mark.parametrize("attack", _KINDS, ids=lambda a: a.name)
+def test_every_attack_kind_runs_on_a_stochastic_model_independently_of_the_batch(attack):
+    """Whatever the batch split, each example gets the same draws, and every reported image
+    is in the box and the ball and fooled in more than half of the judge's calls."""
+    params, x, y, eps = _noisy_problem()
+    model = jaxbundle.stochastic(noisy_linear, calls=8)
+    atts = jaxbundle.with_eot([attack], 2)
+    whole = bundle(atts, model, params, x, y, KEY, eps=eps, judging="float")
+    ids = jnp.arange(len(y), dtype=jnp.int32)
+    halves = [bundle(atts, model, params, x[s], y[s], KEY, eps=eps, judging="float",
+                     example_id=ids[s]) for s in (slice(0, 10), slice(10, None))]
+    best = whole.best["misclassify"]
+    for field in ("x", "score"):
+        got = jax.tree.map(lambda *a: np.concatenate(a), *[getattr(h.best["misclassify"], field)
+                                                          for h in halves])
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                     jax.tree.map(np.asarray, getattr(best, field)), got)
+    fooled = np.asarray(best.score.misclassified)
+    xa = np.asarray(best.x).reshape(len(y), -1)
+    assert np.all((xa >= 0) & (xa <= 1))
+    assert np.all(np.abs(xa - x.reshape(len(y), -1)).max(1)[fooled] <= eps + 1e-6)
+    assert np.all(np.asarray(best.score.rate)[fooled] > 0.5)
+    assert np.asarray(whole.gradients)[0] == atts[0].gradients
+    assert np.asarray(whole.queries)[0] == atts[0].queries
+
+
+@pytest.mark.parametrize("segments", [1, 3])
+def test_cascade_on_a_stochastic_model_fools_what_the_full_bundle_fools(segments):
+    params, x, y, eps = _noisy_problem(n=32)
+    model = jaxbundle.stochastic(noisy_linear, calls=8)
+    atts = jaxbundle.with_eot([attacks_lib.fgsm(), attacks_lib.pgd(steps=6, restarts=2)], 3)
+    goals = goals_for(("misclassify",), atts)
+    ids = jnp.arange(len(y), dtype=jnp.int32)
+    full = bundle(atts, model, params, x, y, KEY, eps=eps, goals=goals, example_id=ids)
+    res, _ = cascade(atts, model, params, x, y, KEY, ids, eps, norm="linf", goal_names=goals,
+                     segments=segments)
+    fooled = lambda r: np.asarray(goals_lib.success("misclassify", r.best["misclassify"].score,
+                                                    eps))  # noqa: E731
+    np.testing.assert_array_equal(fooled(res), fooled(full))
+    np.testing.assert_array_equal(np.asarray(res.clean.rate), np.asarray(full.clean.rate))
+    assert 0 < fooled(full).sum() < len(y)
+
+
+def test_evaluation_reports_rates_and_the_randomness_check():
+    from jaxbundle.evaluate import evaluate
+
+    params, x, y, eps = _noisy_problem(n=20)
+    model = jaxbundle.stochastic(noisy_linear, calls=8)
+    pgd = attacks_lib.pgd(steps=5)
+    ev = evaluate(model, params, x, y, jaxbundle.with_eot([pgd], 4), eps=eps, batch_size=8,
+                  goals=("misclassify",))
+    pe, s = ev.per_example, ev.metrics["stochastic"]
+    assert (s["calls"], s["threshold"], s["eot"]) == (8, 0.5, {"pgd-ce": 4})
+    np.testing.assert_array_equal(pe["success"], pe["success_rate"] > 0.5)
+    assert np.all(np.isin(np.round(pe["success_rate"] * 8), np.arange(9)))
+    at = s["robust_accuracy_at_threshold"]
+    assert at["0"] <= at["0.5"] <= at["0.9"]
+    correct = pe["clean_success_rate"] <= 0.5
+    assert abs(at["0.5"] - np.mean(correct & ~pe["success"])) < 1e-9
+    assert abs(100 * at["0.5"] - ev.metrics["robust_accuracy"]) < 1e-6
+    assert np.all(pe["gradients"][correct] == 5 * 4)
+    assert ev.metrics["checks"]["randomness"]["passed"]
+    assert "every attack averages pgd-ce 4" in ev.metrics["checks"]["randomness"]["saw"]
+    # Attacked without EOT: the check fails and says which attack.
+    single = evaluate(model, params, x, y, [pgd], eps=eps, batch_size=8, goals=("misclassify",))
+    randomness = single.metrics["checks"]["randomness"]
+    assert not randomness["passed"] and "without EOT: pgd-ce" in randomness["saw"]
+    # A model declared stochastic that ignores its key fails it too.
+    ignores = jaxbundle.stochastic(lambda p, x_, key: linear_apply(p, x_), calls=4)
+    checked = evaluate(ignores, params, x, y, jaxbundle.with_eot([pgd], 2), eps=eps,
+                       goals=("misclassify",))
+    assert not checked.metrics["checks"]["randomness"]["passed"]
+    with pytest.raises(ValueError, match="eot=2 but the model is deterministic"):
+        evaluate(linear_apply, params, x, y, jaxbundle.with_eot([pgd], 2), eps=eps)
+
+
+def test_randomized_demo_defence_transform():
+    from jaxbundle.models.randomized import randomized, transform
+
+    x = jnp.asarray(np.random.default_rng(0).uniform(size=(3, 8, 8, 1)), jnp.float32)
+    same = transform(x, jax.random.key(1), 0.0, 0)
+    np.testing.assert_array_equal(np.asarray(same), np.asarray(x))
+    shifted = np.asarray(transform(x, jax.random.key(2), 0.0, 2))
+    # A pure shift: each image is x moved by one offset in [-2, 2]^2, zeros coming in.
+    found = [(dy, dx) for dy in range(-2, 3) for dx in range(-2, 3)
+             if np.array_equal(shifted, np.asarray(
+                 jnp.pad(x, ((0, 0), (2, 2), (2, 2), (0, 0)))[:, 2 - dy:10 - dy, 2 - dx:10 - dx]))]
+    assert len(found) == 1
+    noisy = np.asarray(transform(x, jax.random.key(3), 0.1, 0))
+    assert 0.05 < np.std(noisy - np.asarray(x)) < 0.12 and noisy.min() >= 0 and noisy.max() <= 1
+    model = randomized(lambda p, v: v.reshape(v.shape[0], -1)[:, :4], calls=5)
+    assert sampling.is_stochastic(model) and model.calls == 5
+    with pytest.raises(ValueError, match="noise"):
+        randomized(linear_apply, noise=-1.0)
