@@ -7,6 +7,9 @@ sample counts ``S``, timed interleaved in one process (medians over ``--repeats`
 * ``floor_S``: ``steps`` chained signed-gradient steps, each the plain forward and backward
   pass of the defended model on the ``B x S`` transformed images at once (one batched call,
   one key per image), averaged over the samples: what any EOT needs;
+* ``floor_per_image_S``: the same with the network called one image at a time under
+  ``vmap`` (how jaxbundle calls a stochastic model, so that each example's draws are its own
+  whatever the batch);
 * ``bundle_S``: ``jaxbundle.bundle`` with PGD (``steps`` steps, one restart) at ``eot=S``,
   the judge's calls set to 1 so that the judging does not hide the per-sample cost (its
   clean-image, final-iterate and verification calls are a fixed cost per example).
@@ -42,16 +45,21 @@ from jaxbundle.models.randomized import DEFENCES, transform  # noqa: E402
 EPS = 0.3
 
 
-def make_floor(base_apply, params, x, y, key, steps, samples, noise, shift):
+def make_floor(base_apply, params, x, y, key, steps, samples, noise, shift, per_image=False):
     """``steps`` signed steps on the mean gradient over ``samples`` draws per image, each step
-    one batched forward+backward of the defended model on ``B x samples`` images."""
+    one batched forward+backward of the defended model on ``B x samples`` images (with
+    ``per_image``: the network called on one image at a time under ``vmap``, as jaxbundle
+    calls a stochastic model so that each example's draws are its own)."""
     b = x.shape[0]
     keys = jax.random.split(key, (steps, b * samples))
 
     def total(xa, k):
         rep = jnp.repeat(xa, samples, axis=0)
         seen = jax.vmap(lambda xi, ki: transform(xi[None], ki, noise, shift)[0])(rep, k)
-        logits = base_apply(params, seen)
+        if per_image:
+            logits = jax.vmap(lambda xi: base_apply(params, xi[None])[0])(seen)
+        else:
+            logits = base_apply(params, seen)
         return jnp.sum(losses.cross_entropy(logits, jnp.repeat(y, samples))) / samples
 
     @jax.jit
@@ -75,16 +83,16 @@ def main(argv=None) -> int:
 
     base_apply, params = models.load_or_train(models.ADVERSARIAL)
     defence = DEFENCES["randomized"]
-    x, y = load_mnist_sample("test")
-    x = jnp.asarray(x[: args.n], jnp.float32) / 255.0
-    y = jnp.asarray(y[: args.n], jnp.int32)
+    ds = load_mnist_sample("test", n=args.n)
+    x, y = jnp.asarray(ds.x), jnp.asarray(ds.y)
     key = jax.random.key(0)
     model = models.randomized(base_apply, noise=defence.noise, shift=defence.shift, calls=1)
     variants, passes = {}, {}
     for s in args.eot:
-        variants[f"floor_{s}"] = make_floor(models.canonical_convolutions(base_apply), params,
-                                            x, y, key, args.steps, s, defence.noise,
-                                            defence.shift)
+        for tag, per_image in (("floor", False), ("floor_per_image", True)):
+            variants[f"{tag}_{s}"] = make_floor(
+                models.canonical_convolutions(base_apply), params, x, y, key, args.steps, s,
+                defence.noise, defence.shift, per_image)
         attack = jaxbundle.with_eot([pgd(steps=args.steps)], s)[0]
         variants[f"bundle_{s}"] = (
             lambda a=attack: jaxbundle.bundle([a], model, params, x, y, key, eps=EPS))
@@ -92,14 +100,15 @@ def main(argv=None) -> int:
         passes[s] = int(np.asarray(res.gradients)[0])
         assert passes[s] == args.steps * s, (passes[s], args.steps * s)
     timing = run_interleaved(variants, args.repeats, "eot")
-    med = {k: v["median_s"] for k, v in timing.items()}
+    med = {k: v["median_s"] for k, v in timing.items() if not k.startswith("_")}
     lo, hi = min(args.eot), max(args.eot)
+    marginal = lambda k: med[f"{k}_{hi}"] - med[f"{k}_{lo}"]  # noqa: E731
     summary = {
-        "per_sample_ratio": (med[f"bundle_{hi}"] - med[f"bundle_{lo}"])
-        / (med[f"floor_{hi}"] - med[f"floor_{lo}"]),
+        "per_sample_ratio": marginal("bundle") / marginal("floor"),
+        "per_sample_ratio_vs_per_image_floor": marginal("bundle") / marginal("floor_per_image"),
         "whole_run_ratio": {s: med[f"bundle_{s}"] / med[f"floor_{s}"] for s in args.eot},
         "seconds_per_sample_step": {
-            k: med[k] / (args.steps * int(k.split("_")[1]) * args.n) for k in med},
+            k: med[k] / (args.steps * int(k.rsplit("_", 1)[1]) * args.n) for k in med},
         "gradients_per_example": passes,
     }
     record = dict(config=vars(args), machine=machine_facts(), timing=timing, summary=summary)
