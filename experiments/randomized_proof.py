@@ -43,7 +43,8 @@ EPS = 0.3
 def rejudged_rate(model, params, x_adv, y, calls, seed=123):
     """Each image's success rate over ``calls`` fresh calls (keys no evaluation used)."""
     keys = jax.random.split(jax.random.key(seed), (calls, len(y)))
-    logits = sampling.sample_logits(model, params, jnp.asarray(x_adv, jnp.float32), keys)
+    x_adv = data.to_unit_float(x_adv)  # uint8 when judged on the 8-bit grid
+    logits = sampling.sample_logits(model, params, jnp.asarray(x_adv), keys)
     return np.mean(np.asarray(jnp.argmax(logits, -1)) != np.asarray(y)[None], axis=0)
 
 
@@ -58,9 +59,8 @@ def main(argv=None) -> int:
 
     base, params = models.load_or_train(models.ADVERSARIAL)
     d = DEFENCES["randomized"]
-    x, y = data.load_mnist_sample("test")
-    x = np.asarray(x[: args.n], np.float32) / 255.0
-    y = np.asarray(y[: args.n], np.int32)
+    ds = data.load_mnist_sample("test", n=args.n)
+    x, y = np.asarray(ds.x), np.asarray(ds.y)
     apgd = suites.attack("apgd-ce", "linf", steps=args.steps)
     settings = {
         "single call, no EOT": (1, 1, 1),

@@ -54,6 +54,8 @@ __all__ = [
     "step_stage",
     "judge_stage",
     "take_rows",
+    "still_improving",
+    "window_start",
 ]
 
 
@@ -78,6 +80,8 @@ class BundleResult(NamedTuple):
     attack_step: jax.Array  # int32 [A, B]: the step of each attack's best verified misclassify
     #   candidate; -1: none beat the clean image (the attack never moved the margin up);
     #   -2: the attack did not run on the example (a cascade)
+    attack_improving: jax.Array  # bool [A, B]: the attack failed while its margin was still
+    #   rising over its last steps (see :func:`still_improving`)
     gradients: jax.Array  # int32 [B]: gradient evaluations spent per example
     queries: jax.Array  # int32 [B]: black-box model queries spent per example
     judged_on_grid: jax.Array  # bool [B]: judged on the 8-bit grid (else in float32)
@@ -193,6 +197,7 @@ class Running(NamedTuple):
     best: dict[str, BestState]  # goal name -> each restart's unverified best, [R, B, ...]
     clean: BestState  # [B]: the clean image's candidate (every goal's starting best)
     keys: jax.Array  # [B]: the examples' keys (per_example_keys)
+    early: jax.Array  # [R, B]: each restart's best margin before its last steps (WINDOW)
 
 
 def _start_attack(
@@ -212,7 +217,7 @@ def _start_attack(
     start = clean._replace(score=clean.score._replace(
         rate=clean.score.misclassified.astype(jnp.float32)))
     best = jax.tree.map(lambda a: jnp.broadcast_to(a, (attack.num_restarts, *a.shape)), start)
-    return Running(state, {g: best for g in goal_names}, clean, keys)
+    return Running(state, {g: best for g in goal_names}, clean, keys, best.score.margin)
 
 
 def _attack_steps(
@@ -224,29 +229,61 @@ def _attack_steps(
     per goal. Static bounds run a ``lax.scan`` (unrolled by ``unroll``); traced ones a
     ``lax.fori_loop``, so that one program serves every segment of a cascade's stage."""
 
-    def one_restart(restart, state, best):
+    check_from = window_start(attack)
+
+    def one_restart(restart, state, best, early):
         restart_keys = _restart_keys(running.keys, index, restart)
 
         def body(t, carry):
-            state, best = carry
+            state, best, early = carry
             state, cand = attack.step(attack.config, state, _seen(attack, model, restart_keys, t))
             # Label-only attacks return no logits: the evaluator computes them, uncounted.
             logits = cand.logits
             if logits is None:
                 logits = _evaluator(model, restart_keys, t).logits(cand.x)
             c = candidate_state(cand.x, logits, x0, y, norm, index, restart, t, goal_names)
-            return state, _fold_all(goal_names, eps, best, c)
+            best = _fold_all(goal_names, eps, best, c)
+            # the best margin of the steps before the window, frozen once the window starts
+            early = jnp.where(t < check_from, best["misclassify"].score.margin, early)
+            return state, best, early
 
         if isinstance(t0, int) and isinstance(t1, int):
             carry, _ = jax.lax.scan(
-                lambda carry, t: (body(t, carry), None), (state, best),
+                lambda carry, t: (body(t, carry), None), (state, best, early),
                 jnp.arange(t0, t1, dtype=jnp.int32), unroll=unroll,
             )
             return carry
-        return jax.lax.fori_loop(t0, t1, body, (state, best))
+        return jax.lax.fori_loop(t0, t1, body, (state, best, early))
 
-    state, best = _over_restarts(attack, restart_mode, one_restart, running.state, running.best)
-    return running._replace(state=state, best=best)
+    state, best, early = _over_restarts(attack, restart_mode, one_restart, running.state,
+                                        running.best, running.early)
+    return running._replace(state=state, best=best, early=early)
+
+
+WINDOW = 0.1  # the last fraction of an attack's steps the still-improving indicator looks at
+PROGRESS = 0.05  # ... and the fraction of its whole progress they must bring to count
+
+
+def window_start(attack: Attack) -> int:
+    """The first step of the window :func:`still_improving` looks at; ``num_steps`` (no
+    window) where the indicator does not apply: black-box and minimum-norm attacks, and
+    attacks of under 10 steps."""
+    if attack.black_box or attack.goal != "misclassify" or attack.num_steps < 10:
+        return attack.num_steps
+    return attack.num_steps - max(1, int(round(WINDOW * attack.num_steps)))
+
+
+def still_improving(attack: Attack, running: Running) -> jax.Array:
+    """Per example ``[B]``: Pintor et al.'s incomplete-optimisation indicator. The best margin
+    (over the restarts, in the attack's own view) rose in the last ``WINDOW`` of the steps by
+    more than ``PROGRESS`` of its whole rise from the clean image: more steps would likely have
+    gone further."""
+    if window_start(attack) >= attack.num_steps:
+        return jnp.zeros(running.keys.shape, bool)
+    final = jnp.max(running.best["misclassify"].score.margin, axis=0)
+    early = jnp.max(running.early, axis=0)
+    clean = running.clean.score.margin
+    return (final > clean) & (final - early > PROGRESS * (final - clean))
 
 
 def _attack_best(
@@ -290,11 +327,12 @@ def _evaluator(model: WhiteBoxModel, restart_keys: jax.Array, t: int | jax.Array
 def _judged(
     attack: Attack, found: dict[str, BestState], model: WhiteBoxModel, x: jax.Array,
     y: jax.Array, eps: jax.Array, norm: str, grid: jax.Array, clean: BestState,
-    goal_names: tuple[str, ...],
-) -> tuple[dict[str, BestState], jax.Array, jax.Array, jax.Array]:
+    goal_names: tuple[str, ...], improving: jax.Array,
+) -> tuple[dict[str, BestState], jax.Array, jax.Array, jax.Array, jax.Array]:
     """An attack's bests verified (:func:`jaxbundle.judge.verify`) and offered to every goal,
-    with its verified success (misclassify), smallest verified distortion and the step of its
-    best misclassify candidate (-1: the clean image's stayed best) per example."""
+    with its verified success (misclassify), smallest verified distortion, the step of its
+    best misclassify candidate (-1: the clean image's stayed best) and whether it failed while
+    still ``improving`` (:func:`still_improving`) per example."""
     # A black-box attack's image is judged as it queried it: no uncounted stretching.
     stretch = (1.0,) if attack.black_box else STRETCH
 
@@ -312,7 +350,7 @@ def _judged(
     mis = found["misclassify"]
     success = goals_lib.success("misclassify", mis.score, eps)
     step = jnp.where(mis.attack >= 0, mis.step, -1)
-    return found, success, _smallest_distortion(found, eps), step
+    return found, success, _smallest_distortion(found, eps), step, improving & ~success
 
 
 def _setup(params, x, y, eps, apply_fn, norm, judging, keys):
@@ -371,7 +409,7 @@ def _bundle(
     x, y, eps, grid, model = _setup(params, x, y, eps, apply_fn, norm, judging, keys)
     clean = clean_state(model, x, y, norm)
     best = {g: clean for g in goal_names}
-    successes, distortions, steps = [], [], []
+    successes, distortions, steps, improving = [], [], [], []
     for index, attack in zip(indices or range(len(attacks)), attacks):
         # every attack starts alone from the clean image
         running = _start_attack(attack, index, model, keys, x, y, eps, clean, goal_names,
@@ -380,11 +418,13 @@ def _bundle(
                                 0, attack.num_steps, unroll, restart_mode)
         found = _attack_best(attack, index, model, x, y, eps, norm, goal_names, running,
                              attack.num_steps, restart_mode)
-        found, success, distortion, step = _judged(attack, found, model, x, y, eps, norm, grid,
-                                                   clean, goal_names)
+        found, success, distortion, step, rising = _judged(
+            attack, found, model, x, y, eps, norm, grid, clean, goal_names,
+            still_improving(attack, running))
         successes.append(success)
         distortions.append(distortion)
         steps.append(step)
+        improving.append(rising)
         best = _fold_each(goal_names, eps, best, found)
 
     gradients = sum(a.gradients for a in attacks)
@@ -394,6 +434,7 @@ def _bundle(
         attack_success=jnp.stack(successes),
         attack_distortion=jnp.stack(distortions),
         attack_step=jnp.stack(steps).astype(jnp.int32),
+        attack_improving=jnp.stack(improving),
         gradients=jnp.full(y.shape, gradients, dtype=jnp.int32),
         queries=jnp.full(y.shape, sum(a.queries for a in attacks), dtype=jnp.int32),
         judged_on_grid=grid,
@@ -428,12 +469,14 @@ def step_stage(params, running, x, y, eps, t0, t1, *, apply_fn, attack, index, g
 def judge_stage(params, running, x, y, eps, t, *, apply_fn, attack, index, goal_names, norm,
                 judging, restart_mode, last) -> tuple:
     """A stage's verified bests after ``t`` steps, as :func:`_bundle` judges an attack's:
-    ``(best per goal, success [B], smallest distortion [B], best step [B])``; the current
-    iterate is evaluated only after the ``last`` step."""
+    ``(best per goal, success [B], smallest distortion [B], best step [B], still improving
+    [B])``; the current iterate is evaluated only after the ``last`` step."""
     x, y, eps, grid, model = _setup(params, x, y, eps, apply_fn, norm, judging, running.keys)
     found = _attack_best(attack, index, model, x, y, eps, norm, goal_names, running, t,
                          restart_mode, iterate=last)
-    return _judged(attack, found, model, x, y, eps, norm, grid, running.clean, goal_names)
+    improving = still_improving(attack, running) if last else jnp.zeros(y.shape, bool)
+    return _judged(attack, found, model, x, y, eps, norm, grid, running.clean, goal_names,
+                   improving)
 
 
 @jax.jit
@@ -442,7 +485,7 @@ def take_rows(running: Running, positions: jax.Array) -> Running:
     pick = lambda a: jnp.take(a, positions, axis=1)  # noqa: E731
     rows = lambda a: jnp.take(a, positions, axis=0)  # noqa: E731
     return Running(jax.tree.map(pick, running.state), jax.tree.map(pick, running.best),
-                   jax.tree.map(rows, running.clean), rows(running.keys))
+                   jax.tree.map(rows, running.clean), rows(running.keys), pick(running.early))
 
 
 def _smallest_distortion(found: dict[str, BestState], eps: jax.Array) -> jax.Array:

@@ -36,6 +36,10 @@ best candidate (``per_example["attack_step"]``) on the examples it did not fool:
 ``unbounded_incomplete``
     A minimum-norm attack, which is not bound by eps, found no adversarial example at any
     distortion: P(D) must reach 1 as D grows, so the attack failed, not the model.
+``still_improving``
+    A fixed-budget white-box attack of at least 10 steps failed while its best margin was
+    still rising: its last 10 % of steps brought more than 5 % of its whole rise from the clean
+    image (``per_example["attack_improving"]``, :func:`jaxbundle.bundler.still_improving`).
 
 Two more, where the job computes what they need (:func:`add`):
 
@@ -46,9 +50,6 @@ Two more, where the job computes what they need (:func:`add`):
     The bisection on eps fooled an example at a radius at most eps, but the evaluation at eps
     did not: a larger eps gave a lower success, so the attacks failed at eps.
 
-Not built: Pintor et al.'s "loss still improving at the last step" needs the loss over the
-steps, which the bundler does not keep (where the best candidate came is no guide: on a robust
-model an attack's margin creeps up to its last step on most examples).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ import numpy as np
 
 from jaxbundle import sampling
 from jaxbundle.attacks.base import Attack
+from jaxbundle.bundler import window_start
 
 __all__ = [
     "Check", "FLAG_NAMES", "model_checks", "zero_gradients", "example_flags", "summarise", "add",
@@ -68,7 +70,8 @@ __all__ = [
 ]
 
 # Per-example flags, in the order of per_example["check_flags"]'s columns.
-FLAG_NAMES = ("zero_gradients", "black_box_beats_white_box", "silent", "unbounded_incomplete")
+FLAG_NAMES = ("zero_gradients", "black_box_beats_white_box", "silent", "unbounded_incomplete",
+              "still_improving")
 
 
 class Check(NamedTuple):
@@ -110,6 +113,11 @@ _TEXT = {
     "unbounded_incomplete": (
         "an attack without an eps bound must fool every example at some distortion",
         "more steps or another minimum-norm attack; check for masked gradients",
+    ),
+    "still_improving": (
+        "the attack stopped while its loss was still improving: its budget, not the model, "
+        "ended it",
+        "more steps (or a larger step size); compare the figure with twice the steps",
     ),
     "transfer_beats_white_box": (
         "another model's gradients fool it where its own do not (gradient masking)",
@@ -199,6 +207,7 @@ def example_flags(per_example: dict[str, np.ndarray], attacks: Sequence[Attack])
     examples only)."""
     correct = per_example["clean_prediction"] == per_example["label"]
     step = per_example["attack_step"]  # [n, A]
+    improving = [k for k, a in enumerate(attacks) if a.goal == "misclassify" and not a.black_box]
     success = per_example["attack_success"].astype(bool)
     distortion = per_example["attack_distortion"]
     n = len(correct)
@@ -214,6 +223,7 @@ def example_flags(per_example: dict[str, np.ndarray], attacks: Sequence[Attack])
         correct & per_example["zero_gradient"].astype(bool),
         correct & per_example["black_box_only"].astype(bool),
         silent, unbounded,
+        correct & per_example["attack_improving"][:, improving].astype(bool).any(axis=1),
     ], axis=1)
 
 
@@ -241,12 +251,22 @@ def summarise(model: dict[str, Check], flags: np.ndarray, attacks: Sequence[Atta
             "silent", counts["silent"] == 0,
             f"on {counts['silent']} {of} a white-box attack failed without ever beating the "
             "clean image's margin", counts["silent"])
+    if any(_window(a) for a in attacks):
+        out["still_improving"] = _check(
+            "still_improving", counts["still_improving"] == 0,
+            f"on {counts['still_improving']} {of} a white-box attack failed while its margin "
+            "was still rising over its last 10 % of steps", counts["still_improving"])
     if unbounded:
         out["unbounded_incomplete"] = _check(
             "unbounded_incomplete", counts["unbounded_incomplete"] == 0,
             f"a minimum-norm attack found no adversarial example for "
             f"{counts['unbounded_incomplete']} {of}", counts["unbounded_incomplete"])
     return {name: check._asdict() for name, check in out.items()}
+
+
+def _window(attack: Attack) -> bool:
+    """Whether the still-improving indicator applies to ``attack``."""
+    return window_start(attack) < attack.num_steps
 
 
 def white_box_success(per_example: dict[str, np.ndarray], attacks: Sequence[Attack]

@@ -84,6 +84,7 @@ def per_example_arrays(
         "attack_success": result.attack_success.T,  # [B, A]
         "attack_distortion": result.attack_distortion.T,  # [B, A], inf: not fooled
         "attack_step": result.attack_step.T,  # [B, A]: step of each attack's best candidate
+        "attack_improving": result.attack_improving.T,  # [B, A]: failed, margin still rising
         # A misclassified clean image's top probability is its highest wrong-class one.
         "clean_wrong_confidence": jnp.where(
             result.clean.misclassified, result.clean.confidence, 0.0

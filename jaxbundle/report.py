@@ -54,13 +54,15 @@ Each ``<model>.npz`` holds arrays of length ``n_examples``: ``label``, ``clean_p
 ``adversarial_prediction``, ``success`` (bool, verified), ``distortion`` (of the reported
 adversarial image), ``winning_attack`` (index into ``attack_names``; -1 = the clean image),
 ``winning_restart``, ``winning_step``, ``attack_success`` (``[n, A]``), ``gradients``,
-``queries`` (black-box model queries; both count every EOT sample), ``black_box_only`` (bool: fooled only by black-box attacks),
+``queries`` (black-box model queries; both count every EOT sample), ``black_box_only`` (bool:
+fooled only by black-box attacks),
 ``judged_on_grid`` (bool), ``x_adv`` (the judged adversarial images: uint8 when every example
 was judged on the 8-bit grid, else float32), ``max_wrong_confidence`` and ``min_distortion``
 (``inf`` where no misclassified candidate was found), ``attack_distortion`` (``[n, A]``, each
 attack's smallest verified adversarial distortion, ``inf``: none), ``min_distortion_white_box``
 / ``_black_box`` / ``_bundled``, ``clean_wrong_confidence``, ``attack_step`` (``[n, A]``, the
 step of each attack's best candidate; -1: it never beat the clean image, -2: it did not run),
+``attack_improving`` (``[n, A]``: the attack failed while its margin was still rising),
 ``zero_gradient`` (bool: the clean cross-entropy gradient is exactly zero), ``check_flags``
 (``[n, F]`` bool, the per-example checks named by ``check_flag_names``), ``attack_names``, and
 for a stochastic model ``success_rate`` and ``clean_success_rate`` (the fraction of the

@@ -29,7 +29,11 @@ attack's majority label) likewise; the budget counts every sample as a model pas
 calls; its success rate is the fraction of them that misclassify it, the bundle keeps per
 example the candidate with the best rate (margin averaged over the calls breaks ties), and the
 example counts as fooled when the rate exceeds ``threshold`` (default: more than half of the
-calls). ``per_example["success_rate"]`` gives the rates.
+calls). ``per_example["success_rate"]`` gives the rates. Every restart's best is judged before
+the restarts are folded (the best on average wins, not the luckiest draw); within a restart
+the attack's own, EOT-averaged view picks its best step (judging every step would cost
+``calls`` passes per step). The judge's calls are not counted in the budget, as verification
+never is.
 """
 
 from __future__ import annotations

@@ -229,6 +229,7 @@ class _Outcome(NamedTuple):
     success: jax.Array
     distortion: jax.Array
     best_step: jax.Array
+    improving: jax.Array
     steps: np.ndarray
     row_steps: int
 
@@ -239,7 +240,7 @@ def _padded(order: np.ndarray, size: int) -> np.ndarray:
 
 
 def _whole_stage(b: _Batch, attack: Attack, k: int, order: np.ndarray, best, success,
-                 distortion, best_step) -> _Outcome:
+                 distortion, best_step, improving) -> _Outcome:
     """Attack ``k`` on the rows ``order``, all its steps in one program."""
     rows = _padded(order, _bucket(b.sizes, order.size))
     sub_x, sub_y, sub_id, sub_eps = _take((b.x, b.y, b.example_id, b.eps), rows)
@@ -255,12 +256,13 @@ def _whole_stage(b: _Batch, attack: Attack, k: int, order: np.ndarray, best, suc
         _put(success, rows, found.attack_success[0]),
         _put(distortion, rows, found.attack_distortion[0]),
         _put(best_step, rows, found.attack_step[0]),
+        _put(improving, rows, found.attack_improving[0]),
         steps, rows.size * attack.num_steps,
     )
 
 
 def _segmented_stage(b: _Batch, attack: Attack, k: int, order: np.ndarray, best, success,
-                     distortion, best_step, segments: int) -> _Outcome:
+                     distortion, best_step, improving, segments: int) -> _Outcome:
     """Attack ``k`` on the rows ``order`` in up to ``segments`` runs of its steps. After each,
     the rows whose goal is satisfied stop; the others are compacted into a bucket at most half
     the size of the current one once they fit (fewer shapes to compile), else they go on in
@@ -292,11 +294,12 @@ def _segmented_stage(b: _Batch, attack: Attack, k: int, order: np.ndarray, best,
         merged_rows = rows if keep is None else rows[keep]
         if keep is not None:
             judged = _take(judged, jnp.asarray(keep))
-        found, found_success, found_distortion, found_step = judged
+        found, found_success, found_distortion, found_step, found_improving = judged
         best = _merge(best, b.eps_aimed, merged_rows, found, goal_names=b.goal_names)
         success = _put(success, merged_rows, found_success)
         distortion = _put(distortion, merged_rows, found_distortion)
         best_step = _put(best_step, merged_rows, found_step)
+        improving = _put(improving, merged_rows, found_improving)
         if last:
             break
         done, _ = b.host(_status(best, b.eps, b.goal, b.threshold, False))  # 1 sync
@@ -310,7 +313,7 @@ def _segmented_stage(b: _Batch, attack: Attack, k: int, order: np.ndarray, best,
             rows = rows[positions]
             sub = _take(sub, jnp.asarray(positions))
             live = np.arange(size) < int(live.sum())
-    return _Outcome(best, success, distortion, best_step, steps, row_steps)
+    return _Outcome(best, success, distortion, best_step, improving, steps, row_steps)
 
 
 def cascade(
@@ -378,6 +381,7 @@ def cascade(
     success = jnp.zeros((len(attacks), batch), bool)
     distortion = jnp.full((len(attacks), batch), jnp.inf, jnp.float32)
     best_step = jnp.full((len(attacks), batch), -2, jnp.int32)  # -2: did not run
+    improving = jnp.zeros((len(attacks), batch), bool)
     spent = np.zeros(batch, np.int64)  # model passes per example so far (host)
     gradients = np.zeros(batch, np.int64)
     queries = np.zeros(batch, np.int64)
@@ -400,7 +404,7 @@ def cascade(
         if order.size == 0:
             stages.append(Stage(k, 0, 0, 0, 0))
             continue
-        args = (b, attack, k, order, best, success[k], distortion[k], best_step[k])
+        args = (b, attack, k, order, best, success[k], distortion[k], best_step[k], improving[k])
         # A minimum-norm attack is never done (a smaller distortion is always better).
         if segments > 1 and attack.num_steps >= segments and "min_norm" not in (goal, attack.goal):
             out = _segmented_stage(*args, segments)
@@ -410,6 +414,7 @@ def cascade(
         success = success.at[k].set(out.success)
         distortion = distortion.at[k].set(out.distortion)
         best_step = best_step.at[k].set(out.best_step)
+        improving = improving.at[k].set(out.improving)
         ran = np.zeros(batch, bool)
         ran[order] = True
         grads = attack.steps_gradients(out.steps)
@@ -424,7 +429,7 @@ def cascade(
                             int(np.sum(grads[real])), int(np.sum(asked[real]))))
     result = BundleResult(
         best=best, clean=clean, attack_success=success, attack_distortion=distortion,
-        attack_step=best_step, gradients=jnp.asarray(gradients, jnp.int32),
+        attack_step=best_step, attack_improving=improving, gradients=jnp.asarray(gradients, jnp.int32),
         queries=jnp.asarray(queries, jnp.int32),
         judged_on_grid=grid,
     )

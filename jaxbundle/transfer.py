@@ -21,6 +21,7 @@ import numpy as np
 from jaxbundle import goals as goals_lib
 from jaxbundle.attacks.base import Attack
 from jaxbundle.bundler import bundle, check_inputs
+from jaxbundle.sampling import is_stochastic
 
 __all__ = ["TransferResult", "transfer_bundle", "choose_by_votes", "transfer_figures"]
 
@@ -79,6 +80,9 @@ def transfer_bundle(
     """
     if not surrogates:
         raise ValueError("transfer_bundle needs at least one surrogate model")
+    if is_stochastic(apply_fn) or any(is_stochastic(f) for f, _ in surrogates):
+        raise ValueError("transfer_bundle does not support stochastic models yet (the target "
+                         "is judged by one deterministic call)")
     check_inputs(apply_fn, params, x, y, eps)
     x = jnp.asarray(x, jnp.float32)
     y = jnp.asarray(y, jnp.int32)

@@ -36,12 +36,12 @@ def test_a_clean_model_trips_no_check():
     r = _run(linear_apply, params, x, y, eps, bundle)
     assert set(r.metrics["checks"]) == {
         "randomness", "probabilities", "changes_between_calls", "zero_gradients",
-        "black_box_beats_white_box", "silent", "unbounded_incomplete"}
+        "black_box_beats_white_box", "silent", "unbounded_incomplete", "still_improving"}
     assert _failed(r) == set()
     assert r.per_example["check_flags"].shape == (32, len(checks.FLAG_NAMES))
     assert not r.per_example["check_flags"].any()
     assert r.metrics["check_flag_names"] == list(checks.FLAG_NAMES)
-    assert check_lines(r.metrics["checks"])[0].startswith("checks: 7 of 7 passed")
+    assert check_lines(r.metrics["checks"])[0].startswith("checks: 8 of 8 passed")
 
 
 def test_a_quantising_input_layer_zeroes_gradients_and_silences_white_box_attacks():
@@ -68,6 +68,30 @@ def test_a_quantising_input_layer_zeroes_gradients_and_silences_white_box_attack
     assert r.metrics["checks"]["zero_gradients"]["examples"] == correct.sum()
     text = "\n".join(check_lines(r.metrics["checks"]))
     assert "check zero_gradients FAILED" in text and "try:" in text
+
+
+def test_an_attack_stopped_while_still_improving_is_flagged():
+    """PGD with a step 1/200 of eps on a linear model: its margin rises by the same amount at
+    every step, so its last 10 % of 20 steps bring 10 % of its rise, and on the examples it
+    does not fool the indicator fires. With a step of eps it reaches the corner of the ball
+    at once: the same failures, nothing left to gain."""
+    params, x, y, eps = _problem()
+    slow = attacks_lib.pgd("linf", steps=20, step_size=eps / 200, random_start=False)
+    fast = attacks_lib.pgd("linf", steps=20, step_size=eps, random_start=False, name="fast")
+    r = _run(linear_apply, params, x, y, eps, (slow, fast))
+    flags = dict(zip(checks.FLAG_NAMES, r.per_example["check_flags"].T))
+    improving = r.per_example["attack_improving"].astype(bool)
+    correct = r.per_example["clean_prediction"] == r.per_example["label"]
+    failed_slow = correct & ~r.per_example["attack_success"][:, 0].astype(bool)
+    assert failed_slow.sum() > 0
+    np.testing.assert_array_equal(improving[:, 0], failed_slow)
+    assert not improving[:, 1].any()
+    np.testing.assert_array_equal(flags["still_improving"], failed_slow)
+    assert "still_improving" in _failed(r)
+    assert r.metrics["checks"]["still_improving"]["examples"] == failed_slow.sum()
+    # An attack of under 10 steps, or a black-box one, is not judged by it.
+    short = _run(linear_apply, params, x, y, eps, (attacks_lib.pgd("linf", steps=5),))
+    assert "still_improving" not in short.metrics["checks"]
 
 
 def test_a_model_returning_probabilities_is_flagged():

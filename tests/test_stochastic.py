@@ -347,3 +347,12 @@ def test_randomized_demo_defence_transform():
     assert sampling.is_stochastic(model) and model.calls == 5
     with pytest.raises(ValueError, match="noise"):
         randomized(linear_apply, noise=-1.0)
+
+
+def test_transfer_from_surrogates_refuses_a_stochastic_model():
+    from jaxbundle.transfer import transfer_bundle
+
+    params, x, y, eps = _noisy_problem(n=4)
+    with pytest.raises(ValueError, match="does not support stochastic models"):
+        transfer_bundle([attacks_lib.fgsm()], [(linear_apply, params)],
+                        jaxbundle.stochastic(noisy_linear), params, x, y, KEY, eps=eps)
