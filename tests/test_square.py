@@ -143,6 +143,18 @@ def test_fraction_schedule(num_steps):
         assert got[8000] == np.float32(0.8 / 256) and got[8001] == np.float32(0.8 / 512)
 
 
+def test_fraction_schedule_of_a_long_run_does_not_overflow():
+    """Past step 214,748 an int32 product t * 10000 wraps around (the schedule would restart
+    at p_init); the schedule must follow floor(t * 10000 / N) exactly at any length."""
+    num_steps = 3_000_017
+    t = np.concatenate([np.arange(0, num_steps, 9973), [num_steps - 1, 214_748, 214_749]])
+    got = np.asarray(fraction(jnp.asarray(t, jnp.int32), num_steps, 0.8))
+    thresholds = (10, 50, 200, 500, 1000, 2000, 4000, 6000, 8000)
+    halvings = [sum(int(i) * 10000 // num_steps > th for th in thresholds) for i in t]
+    np.testing.assert_allclose(got, 0.8 / 2.0 ** np.asarray(halvings), rtol=1e-6)
+    assert got[-3] == np.float32(0.8 / 512)
+
+
 def test_side_lengths():
     p = jnp.asarray([0.8, 0.1, 0.8 / 512, 1.0])
     np.testing.assert_array_equal(side(p, 28, 28, "linf"), [25, 9, 1, 27])

@@ -23,7 +23,7 @@ Queries (exact, per example): ``init`` makes none; a step makes ``samples + 1``:
 * one call on the iterate ``x`` itself, whose logits make the step's candidate
   ``Candidate(x, logits)`` (SPSA needs no value at ``x``; this is the price of scoring it).
 
-So ``queries = steps * (samples + 1)`` (11 300 with the defaults).
+So ``queries = steps * (samples + 1)`` (12 900 with the defaults).
 
 Details and deviations:
 

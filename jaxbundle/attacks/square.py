@@ -143,8 +143,11 @@ def fraction(
     itself (AutoAttack's setting: a 5,000-query run stops halving after iteration 4,000).
     """
     t = t.astype(jnp.int32)
-    it = (t * SCHEDULE_LENGTH) // num_steps if rescale else t
-    halvings = sum((it > th).astype(jnp.int32) for th in SCHEDULE)
+    # floor(t * L / N) > th  <=>  t >= ceil((th + 1) * N / L): exact in Python integers, so
+    # that no int32 product t * L overflows (past t = 214,748 it would).
+    starts = [-(-(th + 1) * num_steps // SCHEDULE_LENGTH) if rescale else th + 1
+              for th in SCHEDULE]
+    halvings = sum((t >= start).astype(jnp.int32) for start in starts)
     return jnp.float32(p_init) * jnp.exp2(-halvings.astype(jnp.float32))
 
 
