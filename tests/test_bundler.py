@@ -269,3 +269,29 @@ def test_input_check_traces_the_model_once_per_model_and_shapes():
         check_inputs(counting_apply, three, x, np.full_like(y, 3), 0.1)
     assert check_inputs(counting_apply, params, x[:2], y[:2], 0.1) == 4
     assert traces == [(6, 20), (6, 20), (2, 20)]
+
+
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_restart_mode_map_and_unrolling_give_the_default_result(stochastic):
+    """Restarts one at a time (lax.map) and an unrolled scan are the same program as the
+    default vmap and rolled scan, per example: the same images, scores and winners."""
+    import jaxbundle
+
+    params, x, y = linear_problem(n=12, k=4, seed=4)
+    x = images(x)
+    eps = float(np.quantile(min_distance(params, np.asarray(x).reshape(12, -1), y, "linf"), 0.5))
+    apply_fn = linear_apply
+    atts = [attacks.pgd(steps=5, restarts=3), attacks.square(queries=12)]
+    if stochastic:
+        apply_fn = jaxbundle.stochastic(
+            lambda p, v, k: linear_apply(p, v + 0.02 * jax.random.normal(k, v.shape)), calls=6)
+        atts = jaxbundle.with_eot(atts, 2)
+    run = lambda **kw: bundle(atts, apply_fn, params, x, y, KEY, eps=eps, **kw)  # noqa: E731
+    default = run()
+    assert 0 < int(np.sum(np.asarray(default.best["misclassify"].score.misclassified))) < 12
+    for kw in (dict(restart_mode="map"), dict(unroll=True), dict(unroll=2)):
+        got = run(**kw)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+                     jax.tree.map(np.asarray, got.best), jax.tree.map(np.asarray, default.best))
+        np.testing.assert_array_equal(np.asarray(got.attack_success),
+                                      np.asarray(default.attack_success))
