@@ -34,7 +34,7 @@ import numpy as np
 
 from jaxbundle import goals as goals_lib
 from jaxbundle import norms
-from jaxbundle import sampling as sampling
+from jaxbundle import sampling
 from jaxbundle.attacks.base import KINDS, Attack, WhiteBoxModel, per_example_keys, threat_model
 from jaxbundle.judge import STRETCH, check_judging, judged_on_grid, judged_score, verify
 from jaxbundle.models.layers import canonical_convolutions
@@ -162,8 +162,7 @@ def _fast_gradients(apply_fn: Callable[[Any, jax.Array], jax.Array]):
 def _restart_keys(keys: jax.Array, index: int, restart: int | jax.Array) -> jax.Array:
     """``[B]`` keys of restart ``restart`` of attack ``index``: ``fold_in(fold_in(keys, index),
     restart)`` per example (``keys``: the examples' keys)."""
-    fold = jax.vmap(jax.random.fold_in, in_axes=(0, None))
-    return fold(fold(keys, index), restart)
+    return sampling.fold_each(sampling.fold_each(keys, index), restart)
 
 
 def _seen(attack: Attack, model: WhiteBoxModel, restart_keys: jax.Array, call: int | jax.Array):
@@ -172,8 +171,7 @@ def _seen(attack: Attack, model: WhiteBoxModel, restart_keys: jax.Array, call: i
     attack's EOT samples."""
     keys = None
     if model.stochastic:
-        fold = jax.vmap(jax.random.fold_in, in_axes=(0, None))
-        keys = fold(fold(restart_keys, sampling.MODEL_STREAM), call)
+        keys = sampling.fold_each(sampling.fold_each(restart_keys, sampling.MODEL_STREAM), call)
     return threat_model(attack.kind, model.apply_fn, model.params, model.grid, keys, attack.eot)
 
 
@@ -319,8 +317,7 @@ def _evaluator(model: WhiteBoxModel, restart_keys: jax.Array, t: int | jax.Array
     under keys no attack call uses."""
     if not model.stochastic:
         return model
-    fold = jax.vmap(jax.random.fold_in, in_axes=(0, None))
-    keys = fold(fold(restart_keys, sampling.EVAL_STREAM), t)
+    keys = sampling.fold_each(sampling.fold_each(restart_keys, sampling.EVAL_STREAM), t)
     return WhiteBoxModel(model.apply_fn, model.params, model.grid, keys, 1)
 
 

@@ -207,7 +207,6 @@ def example_flags(per_example: dict[str, np.ndarray], attacks: Sequence[Attack])
     examples only)."""
     correct = per_example["clean_prediction"] == per_example["label"]
     step = per_example["attack_step"]  # [n, A]
-    improving = [k for k, a in enumerate(attacks) if a.goal == "misclassify" and not a.black_box]
     success = per_example["attack_success"].astype(bool)
     distortion = per_example["attack_distortion"]
     n = len(correct)
@@ -223,7 +222,8 @@ def example_flags(per_example: dict[str, np.ndarray], attacks: Sequence[Attack])
         correct & per_example["zero_gradient"].astype(bool),
         correct & per_example["black_box_only"].astype(bool),
         silent, unbounded,
-        correct & per_example["attack_improving"][:, improving].astype(bool).any(axis=1),
+        # False wherever the indicator does not apply (bundler.still_improving)
+        correct & per_example["attack_improving"].astype(bool).any(axis=1),
     ], axis=1)
 
 
@@ -251,7 +251,7 @@ def summarise(model: dict[str, Check], flags: np.ndarray, attacks: Sequence[Atta
             "silent", counts["silent"] == 0,
             f"on {counts['silent']} {of} a white-box attack failed without ever beating the "
             "clean image's margin", counts["silent"])
-    if any(_window(a) for a in attacks):
+    if any(window_start(a) < a.num_steps for a in attacks):
         out["still_improving"] = _check(
             "still_improving", counts["still_improving"] == 0,
             f"on {counts['still_improving']} {of} a white-box attack failed while its margin "
@@ -262,11 +262,6 @@ def summarise(model: dict[str, Check], flags: np.ndarray, attacks: Sequence[Atta
             f"a minimum-norm attack found no adversarial example for "
             f"{counts['unbounded_incomplete']} {of}", counts["unbounded_incomplete"])
     return {name: check._asdict() for name, check in out.items()}
-
-
-def _window(attack: Attack) -> bool:
-    """Whether the still-improving indicator applies to ``attack``."""
-    return window_start(attack) < attack.num_steps
 
 
 def white_box_success(per_example: dict[str, np.ndarray], attacks: Sequence[Attack]

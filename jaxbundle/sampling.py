@@ -51,6 +51,7 @@ __all__ = [
     "logits",
     "sample_logits",
     "call_keys",
+    "fold_each",
     "judge_keys",
     "fixed",
     "MODEL_STREAM",
@@ -126,15 +127,20 @@ def sample_logits(apply_fn: Stochastic, params: Any, x: jax.Array, keys: jax.Arr
     return jnp.swapaxes(out.reshape(batch, samples, *out.shape[1:]), 0, 1).astype(jnp.float32)
 
 
+def fold_each(keys: jax.Array, data: int | jax.Array) -> jax.Array:
+    """``[B]`` keys ``fold_in(keys[b], data)``: the same ``data`` folded into every example's key."""
+    return jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, data)
+
+
 def call_keys(keys: jax.Array, call: int | jax.Array, samples: int) -> jax.Array:
     """``[S, B]`` keys for one call: ``split(fold_in(keys[b], call), samples)``."""
-    folded = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, call)
+    folded = fold_each(keys, call)
     return jax.vmap(lambda k: jax.random.split(k, samples), out_axes=1)(folded)
 
 
 def judge_keys(example_keys: jax.Array) -> jax.Array:
     """``[B]`` keys from which the judge's calls on each example are drawn."""
-    return jax.vmap(jax.random.fold_in, in_axes=(0, None))(example_keys, JUDGE_STREAM)
+    return fold_each(example_keys, JUDGE_STREAM)
 
 
 def logits(apply_fn: Callable, params: Any, x: jax.Array, keys: jax.Array | None = None

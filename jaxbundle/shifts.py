@@ -142,7 +142,7 @@ def evaluate_shifts(
             keys = per_example_keys(key, jnp.arange(lo, lo + xb.shape[0]))
             if name is not None:
                 xb = apply_shift(xb, keys, name=name, severity=severity)
-            calls = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, sampling.JUDGE_STREAM)
+            calls = sampling.judge_keys(keys)
             out.append(np.asarray(predict(params, xb, calls)) == y[lo : lo + batch_size])
         return np.concatenate(out)
 

@@ -40,7 +40,7 @@ from typing import Any, Callable, NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 
-from jaxbundle import sampling as sampling
+from jaxbundle import sampling
 from jaxbundle.sampling import is_stochastic
 
 __all__ = [
