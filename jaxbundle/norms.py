@@ -53,8 +53,25 @@ def check_norm(name: str) -> str:
     return name
 
 
-def _flat(x: jax.Array) -> jax.Array:
+# The dual of each norm: ``|<g, d>| <= ||g||_* ||d||`` (Hoelder), the norm a linearised
+# boundary's distance divides by (DeepFool, FAB, FMN).
+DUAL = {"linf": "l1", "l2": "l2", "l1": "linf"}
+
+
+def flat(x: jax.Array) -> jax.Array:
+    """``x [B, ...]`` as rows ``[B, D]``."""
     return x.reshape(x.shape[0], -1)
+
+
+def dot(a: jax.Array, b: jax.Array) -> jax.Array:
+    """Per-example inner product ``[B]`` of ``a`` and ``b`` ``[B, ...]`` (over all but axis 0)."""
+    return jnp.sum(flat(a * b), axis=1)
+
+
+def unit(a: jax.Array) -> jax.Array:
+    """``a [B, ...]`` divided by its per-example L2 norm; zero rows stay zero."""
+    n = jnp.sqrt(dot(a, a))
+    return a / per_example(jnp.where(n > 0, n, 1.0), a)
 
 
 def per_example(v: jax.Array, x: jax.Array) -> jax.Array:
@@ -70,14 +87,14 @@ def tree_where(take: jax.Array, a, b):
 
 def norm(delta: jax.Array, name: str) -> jax.Array:
     """Per-example Lp norm of ``delta`` (shape ``[B, ...]``), returned as ``[B]``."""
-    flat = _flat(delta)
+    rows = flat(delta)
     if name == "linf":
         # max(max, -min) rather than max(abs): XLA:CPU runs it ~10x faster (benchmarks/).
-        return jnp.maximum(jnp.max(flat, axis=1), -jnp.min(flat, axis=1))
+        return jnp.maximum(jnp.max(rows, axis=1), -jnp.min(rows, axis=1))
     if name == "l2":
-        return jnp.sqrt(jnp.sum(flat * flat, axis=1))
+        return jnp.sqrt(jnp.sum(rows * rows, axis=1))
     if name == "l1":
-        return jnp.sum(jnp.abs(flat), axis=1)
+        return jnp.sum(jnp.abs(rows), axis=1)
     raise ValueError(f"unknown norm {name!r}; expected one of {NORMS}")
 
 
@@ -120,7 +137,7 @@ def project_ball(delta: jax.Array, eps: float | jax.Array, name: str) -> jax.Arr
         scale = jnp.where(n > eps, eps / jnp.maximum(n, 1e-12), 1.0)
         return delta * per_example(scale, delta)
     if name == "l1":
-        return _project_l1(_flat(delta), eps).reshape(delta.shape)
+        return _project_l1(flat(delta), eps).reshape(delta.shape)
     raise ValueError(f"unknown norm {name!r}; expected one of {NORMS}")
 
 
@@ -150,15 +167,15 @@ def normalize(g: jax.Array, name: str) -> jax.Array:
         return jnp.sign(g)
     if name == "l2":
         # Divide by max|g| first: squaring a tiny gradient (1e-20) would underflow to zero.
-        scale = jnp.max(jnp.abs(_flat(g)), axis=1)
+        scale = jnp.max(jnp.abs(flat(g)), axis=1)
         g = g / per_example(jnp.where(scale > 0, scale, 1.0), g)
         n = norm(g, "l2")
         return g / per_example(jnp.where(n > 0, n, 1.0), g)
     if name == "l1":
-        flat = _flat(g)
-        top = jnp.argmax(jnp.abs(flat), axis=1)
-        one_hot = jax.nn.one_hot(top, flat.shape[1], dtype=g.dtype)
-        return (one_hot * jnp.sign(flat)).reshape(g.shape)
+        rows = flat(g)
+        top = jnp.argmax(jnp.abs(rows), axis=1)
+        one_hot = jax.nn.one_hot(top, rows.shape[1], dtype=g.dtype)
+        return (one_hot * jnp.sign(rows)).reshape(g.shape)
     raise ValueError(f"unknown norm {name!r}; expected one of {NORMS}")
 
 
@@ -322,7 +339,7 @@ def quantize(
     if name == "linf":
         k = _linf_levels(nearest, x0, per_example(limit, x))
         return jnp.where(jnp.isnan(k), x0, _grid_value(jnp.nan_to_num(k)))
-    k = _fit_levels(_flat(x), _flat(x0), eps, name).reshape(x.shape)
+    k = _fit_levels(flat(x), flat(x0), eps, name).reshape(x.shape)
     # x0 off the grid, or x outside the ball: fall back to x0's own level (x0 itself on the grid).
     fits = in_ball(_grid_value(k) - x0, eps, name)
     return _grid_value(jnp.where(per_example(fits, x), k, jnp.round(x0 * PIXEL_LEVELS)))

@@ -78,10 +78,6 @@ class BPState(NamedTuple):
     crossed: jax.Array  # bool [B] whether some iterate has been adversarial (stage 2)
 
 
-def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
-    """Per-example inner product ``[B]``."""
-    return jnp.sum((a * b).reshape(a.shape[0], -1), axis=1)
-
 
 def schedule(config: BPConfig, k: jax.Array) -> jax.Array:
     """``gamma_k``: linear from ``gamma_min`` at ``k = 0`` to ``gamma_max`` at ``k = K``."""
@@ -91,7 +87,7 @@ def schedule(config: BPConfig, k: jax.Array) -> jax.Array:
 
 def out_step(r: jax.Array, u: jax.Array, s: jax.Array, gamma: jax.Array) -> jax.Array:
     """New perturbation from an adversarial iterate: back along ``u``, shrunk across it."""
-    q = _dot(r, u)
+    q = norms.dot(r, u)
     v = r - norms.per_example(q, r) * u
     v_norm = norms.norm(v, "l2")
     a = jnp.maximum(q + gamma * s, 0.0)  # never past x0 (an adversarial x0 stays put)

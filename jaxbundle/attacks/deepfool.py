@@ -103,13 +103,10 @@ def _differences_and_gradients(
     return logits, f, grads
 
 
-def _dual(norm: str) -> str:
-    return {"linf": "l1", "l2": "l2"}[norm]
-
 
 def step(config: DeepFoolConfig, state: DeepFoolState, model: WhiteBoxModel):
     logits, f, grads = _differences_and_gradients(model, state.x, state.y, state.classes)
-    dual = jax.vmap(lambda g: norms.norm(g, _dual(config.norm)))(grads).T  # [B, C]
+    dual = jax.vmap(lambda g: norms.norm(g, norms.DUAL[config.norm]))(grads).T  # [B, C]
     dual = jnp.maximum(dual, _TINY)
     dist = jnp.abs(f) / dual  # [B, C] distance to each linearised boundary
     best = jnp.argmin(dist, axis=1)  # [B]

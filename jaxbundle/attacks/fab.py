@@ -74,7 +74,7 @@ from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel
 
 __all__ = ["FABConfig", "FABState", "project_hyperplane", "init", "step", "fab"]
 
-_DUAL = {"linf": "l1", "l2": "l2"}
+_NORMS = ("linf", "l2")  # FAB's projections exist for these
 _TINY = 1e-12  # floor for dual norms of zero gradients
 _FLOOR = 1e-8  # the reference's floor on ||d1||, ||d2|| in alpha
 
@@ -147,7 +147,7 @@ def project_hyperplane(
     box does not reach the hyperplane, ``d`` is the box corner ``s_i room_i`` (the feasible
     point furthest towards it); a zero ``w`` gives ``d = 0``.
     """
-    if norm not in _DUAL:
+    if norm not in _NORMS:
         raise ValueError(f"project_hyperplane supports 'linf' and 'l2', not {norm!r}")
     shape = t.shape
     t = t.reshape(shape[0], -1)
@@ -229,10 +229,6 @@ def _differences_and_gradients(
     return logits, f, grads
 
 
-def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
-    """Per-example ``a . b`` over all but the leading axis (a sum, not a matrix product)."""
-    return jnp.sum((a * b).reshape(a.shape[0], -1), axis=1)
-
 
 def step(config: FABConfig, state: FABState, model: WhiteBoxModel):
     s = state
@@ -249,11 +245,11 @@ def step(config: FABConfig, state: FABState, model: WhiteBoxModel):
 
     # Linearise at s.x, evaluated at x; untargeted: the class of nearest linearised boundary.
     shift = x - s.x
-    f_x = f + jax.vmap(_dot, in_axes=(0, None))(grads, shift).T  # [B, C]
+    f_x = f + jax.vmap(norms.dot, in_axes=(0, None))(grads, shift).T  # [B, C]
     if config.targeted:
         g, f_j = grads[0], f_x[:, 0]
     else:
-        dual = jax.vmap(lambda gr: norms.norm(gr, _DUAL[config.norm]))(grads).T  # [B, C]
+        dual = jax.vmap(lambda gr: norms.norm(gr, norms.DUAL[config.norm]))(grads).T  # [B, C]
         j = jnp.argmin(jnp.abs(f_x) / jnp.maximum(dual, _TINY), axis=1)
         w = jnp.moveaxis(grads, 0, 1)  # [B, C, ...]
         g = jnp.take_along_axis(w, j.reshape((-1, 1) + (1,) * (w.ndim - 2)), axis=1)[:, 0]
@@ -261,7 +257,7 @@ def step(config: FABConfig, state: FABState, model: WhiteBoxModel):
 
     # Project x and x0 onto {z : f_j + g . (z - x) = 0} within the box.
     d1 = project_hyperplane(x, g, -f_j, config.norm)
-    d2 = project_hyperplane(s.x0, g, -(f_j + _dot(g, s.x0 - x)), config.norm)
+    d2 = project_hyperplane(s.x0, g, -(f_j + norms.dot(g, s.x0 - x)), config.norm)
     a1 = jnp.maximum(norms.norm(d1, config.norm), _FLOOR)
     a2 = jnp.maximum(norms.norm(d2, config.norm), _FLOOR)
     alpha = norms.per_example(jnp.clip(a1 / (a1 + a2), 0.0, config.alpha_max), x)
@@ -305,7 +301,7 @@ def fab(
       An :class:`~jaxbundle.attacks.base.Attack` with ``goal="min_norm"``,
       ``num_restarts = targets * restarts`` (targeted) or ``restarts``.
     """
-    if norms.check_norm(norm) not in _DUAL:
+    if norms.check_norm(norm) not in _NORMS:
         raise ValueError(f"fab supports norms 'linf' and 'l2', not {norm!r}")
     for label, value in (("steps", steps), ("targets", targets), ("restarts", restarts)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:

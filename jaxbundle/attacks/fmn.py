@@ -62,7 +62,6 @@ from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel
 __all__ = ["FMNConfig", "FMNState", "DEFAULT_ALPHA_INIT", "cosine", "init", "step", "fmn"]
 
 DEFAULT_ALPHA_INIT = {"l2": 1.0, "linf": 10.0, "l1": 1.0}
-_DUAL = {"linf": "l1", "l2": "l2", "l1": "linf"}
 _TINY = 1e-12
 
 
@@ -117,7 +116,7 @@ def step(config: FMNConfig, state: FMNState, model: WhiteBoxModel):
     adversarial = margin > 0
     best_norm = jnp.where(adversarial, jnp.minimum(state.best_norm, delta_norm), state.best_norm)
     found = jnp.isfinite(best_norm)
-    to_boundary = jnp.abs(margin) / jnp.maximum(norms.norm(grad, _DUAL[config.norm]), _TINY)
+    to_boundary = jnp.abs(margin) / jnp.maximum(norms.norm(grad, norms.DUAL[config.norm]), _TINY)
     estimate = delta_norm + to_boundary
     if config.boundary_slack:
         estimate = estimate * (1.0 + gamma)

@@ -211,11 +211,6 @@ def _rectangles(i: jax.Array, j: jax.Array, a: jax.Array, b: jax.Array, table: j
     return jnp.where(inside, value, 0.0)
 
 
-def _unit(v: jax.Array) -> jax.Array:
-    """``v [B, h, w]`` divided by its per-example L2 norm (zero stays zero)."""
-    n = jnp.sqrt(jnp.sum(v * v, axis=(1, 2), keepdims=True))
-    return v / jnp.where(n > 0, n, 1.0)
-
 
 def pseudo_gaussian(
     oh: jax.Array, ow: jax.Array, s: jax.Array, transpose: jax.Array, h: int, w: int
@@ -232,9 +227,9 @@ def pseudo_gaussian(
     i, j = jnp.where(tr, cols, rows), jnp.where(tr, rows, cols)
     s3 = s.reshape(-1, 1, 1)
     half = s3 // 2
-    upper = _unit(_rectangles(i, j, half, s3, table))
-    lower = _unit(_rectangles(i - half, j, s3 - half, s3, table))
-    return _unit(upper - lower)
+    upper = norms.unit(_rectangles(i, j, half, s3, table))
+    lower = norms.unit(_rectangles(i - half, j, s3 - half, s3, table))
+    return norms.unit(upper - lower)
 
 
 def _with_channels(v: jax.Array, x: jax.Array) -> jax.Array:

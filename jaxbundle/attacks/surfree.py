@@ -123,19 +123,7 @@ def init_queries(config: SurFreeConfig) -> int:
     return config.init_trials + config.init_search_steps
 
 
-def _flat(x: jax.Array) -> jax.Array:
-    return x.reshape(x.shape[0], -1)
 
-
-def _dot(a: jax.Array, b: jax.Array) -> jax.Array:
-    """Per-example inner product of ``[B, D]`` rows, ``[B]``."""
-    return jnp.sum(a * b, axis=1)
-
-
-def _unit(a: jax.Array) -> jax.Array:
-    """Rows of ``a`` ``[B, D]`` scaled to unit L2 norm (zero rows stay zero)."""
-    n = jnp.sqrt(_dot(a, a))
-    return a / jnp.where(n > 0, n, 1.0)[:, None]
 
 
 def _quantized(x: jax.Array, x0: jax.Array, grid: jax.Array | None) -> jax.Array:
@@ -165,7 +153,7 @@ def sample_directions(
     if basis == "dct" and len(shape) >= 2:
         coeffs = noise * _low_frequency_mask(shape, frequency_ratio)[None]
         noise = jax.scipy.fft.idctn(coeffs, axes=(1, 2), norm="ortho")
-    return _flat(noise)
+    return norms.flat(noise)
 
 
 def orthogonalize(t: jax.Array, directions: jax.Array, u: jax.Array) -> jax.Array:
@@ -179,11 +167,11 @@ def orthogonalize(t: jax.Array, directions: jax.Array, u: jax.Array) -> jax.Arra
     def off_buffer(a):
         return a - jnp.einsum("bl,bld->bd", jnp.einsum("bd,bld->bl", a, directions), directions)
 
-    u_rest = _unit(off_buffer(u))
+    u_rest = norms.unit(off_buffer(u))
     v = off_buffer(t)
-    v = v - _dot(v, u_rest)[:, None] * u_rest
-    v = v - _dot(v, u)[:, None] * u
-    return _unit(v)
+    v = v - norms.dot(v, u_rest)[:, None] * u_rest
+    v = v - norms.dot(v, u)[:, None] * u
+    return norms.unit(v)
 
 
 def circle_point(
@@ -257,14 +245,14 @@ def init(config: SurFreeConfig, keys, x0, y, eps, model: LabelOracle, restart) -
 def _query(config: SurFreeConfig, state: SurFreeState, model: LabelOracle) -> SurFreeState:
     """One oracle query per example: one move of each example's search."""
     shape = state.x0.shape
-    x0 = _flat(state.x0)
+    x0 = norms.flat(state.x0)
     split = jax.vmap(lambda k: jax.random.split(k, 3))(state.key)
     key, dir_keys, noise_keys = split[:, 0], split[:, 1], split[:, 2]
 
     # 1. A new circle where the angle search starts over.
     fresh = (state.phase == SEARCH) & (state.index == 0)
-    r = _flat(state.x) - x0
-    u_new = _unit(r)
+    r = norms.flat(state.x) - x0
+    u_new = norms.unit(r)
     t = sample_directions(dir_keys, shape[1:], config.basis, config.frequency_ratio)
     v_new = orthogonalize(t, state.directions, u_new)
     slot = jax.nn.one_hot(state.drawn % config.history, config.history, dtype=jnp.bool_)
@@ -272,7 +260,7 @@ def _query(config: SurFreeConfig, state: SurFreeState, model: LabelOracle) -> Su
     directions = jnp.where(slot[:, :, None], v_new[:, None, :], state.directions)
     u = jnp.where(fresh[:, None], u_new, state.u)
     v = jnp.where(fresh[:, None], v_new, state.v)
-    dist = jnp.where(fresh, jnp.sqrt(_dot(r, r)), state.dist)
+    dist = jnp.where(fresh, jnp.sqrt(norms.dot(r, r)), state.dist)
 
     # 2. The query point of each phase.
     level = (state.index // 2).astype(jnp.float32)
@@ -318,9 +306,9 @@ def _query(config: SurFreeConfig, state: SurFreeState, model: LabelOracle) -> Su
     )
     # NOISE: a fooling noise image starts a BLEND bisection towards x0.
     fooled_noise = noise_phase & adv
-    r_noise = _flat(noise) - x0
-    u = jnp.where(fooled_noise[:, None], _unit(r_noise), u)
-    dist = jnp.where(fooled_noise, jnp.sqrt(_dot(r_noise, r_noise)), dist)
+    r_noise = norms.flat(noise) - x0
+    u = jnp.where(fooled_noise[:, None], norms.unit(r_noise), u)
+    dist = jnp.where(fooled_noise, jnp.sqrt(norms.dot(r_noise, r_noise)), dist)
     lo = jnp.where(fooled_noise, 0.0, lo)
     hi = jnp.where(fooled_noise, 1.0, hi)
 
