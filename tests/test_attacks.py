@@ -267,6 +267,36 @@ def test_factories_reject_bad_arguments():
         attacks.fgsm("l1")
 
 
+# Every factory's count arguments, as (factory, keyword, smallest allowed value).
+COUNTS = [
+    (attacks.pgd, "steps", 1), (attacks.pgd, "restarts", 1),
+    (lambda **k: attacks.apgd("linf", **k), "steps", 1),
+    (lambda **k: attacks.apgd("linf", **k), "restarts", 1),
+    (lambda **k: attacks.apgd("linf", "dlr-targeted", **k), "targets", 1),
+    (attacks.bp, "steps", 1), (attacks.cw, "steps", 1), (attacks.cw, "search_steps", 1),
+    (lambda **k: attacks.deepfool("l2", **k), "steps", 1),
+    (lambda **k: attacks.deepfool("l2", **k), "candidates", 1),
+    (lambda **k: attacks.fab("l2", **k), "steps", 1),
+    (lambda **k: attacks.fab("l2", **k), "restarts", 1),
+    (lambda **k: attacks.fmn("l2", **k), "steps", 1),
+    (lambda **k: attacks.rays(**k), "steps", 1), (lambda **k: attacks.rays(**k), "restarts", 1),
+    (lambda **k: attacks.rays(**k), "search_steps", 1), (attacks.spsa, "steps", 1),
+    (lambda **k: attacks.square("linf", **k), "queries", 2),
+    (attacks.surfree, "queries", 1), (attacks.surfree, "restarts", 1),
+    (attacks.surfree, "search_steps", 0),
+]
+
+
+@pytest.mark.parametrize("factory, label, smallest", COUNTS)
+def test_every_factory_checks_its_counts_alike(factory, label, smallest):
+    """A float, a bool or a count below the minimum is refused with the argument's name; a
+    numpy integer is accepted as the int it is."""
+    for bad in (2.5, True, smallest - 1, "3"):
+        with pytest.raises(ValueError, match=f"{label}.*integer >= {smallest}"):
+            factory(**{label: bad})
+    factory(**{label: np.int64(max(smallest, 2) if label != "queries" else 5000)})
+
+
 def test_black_box_oracles_expose_only_what_the_threat_model_allows():
     from jaxbundle.attacks.base import LabelOracle, ScoreOracle
 

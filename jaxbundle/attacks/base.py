@@ -39,6 +39,7 @@ from typing import Any, Callable, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxbundle import sampling
 from jaxbundle.sampling import is_stochastic
@@ -125,6 +126,16 @@ class LabelOracle(_Oracle):
         """Predicted labels ``[B]`` (int32) for images ``[B, ...]``; one query per example and
         sample."""
         return self._fn(x)
+
+
+def check_count(attack: str, label: str, value: Any, minimum: int = 1) -> int:
+    """Returns ``value`` as an ``int`` if it is an integer (not a bool) ``>= minimum``, else
+    raises ``ValueError`` naming the attack and the argument: every factory checks its counts
+    (steps, restarts, queries, ...) here, so ``2.5`` and ``True`` are refused alike."""
+    integral = isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
+    if not integral or value < minimum:
+        raise ValueError(f"{attack} needs {label} to be an integer >= {minimum}, got {value!r}")
+    return int(value)
 
 
 def check_kind(kind: str) -> str:

@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxbundle import losses, norms
-from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel
+from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel, check_count
 
 __all__ = ["DeepFoolConfig", "DeepFoolState", "init", "step", "deepfool"]
 
@@ -146,10 +146,8 @@ def deepfool(
     """
     if norms.check_norm(norm) not in ("linf", "l2"):
         raise ValueError(f"deepfool supports norms 'linf' and 'l2', not {norm!r}")
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"deepfool needs steps >= 1, got {steps!r}")
-    if not isinstance(candidates, int) or candidates < 1:
-        raise ValueError(f"deepfool needs candidates >= 1, got {candidates!r}")
+    check_count("deepfool", "steps", steps)
+    check_count("deepfool", "candidates", candidates)
     if not 0.0 <= overshoot < float("inf"):
         raise ValueError(f"deepfool overshoot must be finite and >= 0, got {overshoot!r}")
     return Attack(

@@ -70,7 +70,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxbundle import losses, norms
-from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel
+from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel, check_count
 
 __all__ = ["FABConfig", "FABState", "project_hyperplane", "init", "step", "fab"]
 
@@ -304,8 +304,7 @@ def fab(
     if norms.check_norm(norm) not in _NORMS:
         raise ValueError(f"fab supports norms 'linf' and 'l2', not {norm!r}")
     for label, value in (("steps", steps), ("targets", targets), ("restarts", restarts)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"fab needs {label} >= 1, got {value!r}")
+        check_count("fab", label, value)
     if not 0.0 <= alpha_max <= 1.0:
         raise ValueError(f"fab alpha_max must be in [0, 1], got {alpha_max!r}")
     if not 0.0 < eta < float("inf"):

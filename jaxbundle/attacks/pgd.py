@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxbundle import losses, norms
-from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel
+from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel, check_count
 
 __all__ = ["PGDConfig", "PGDState", "random_in_ball", "init", "step", "pgd"]
 
@@ -108,8 +108,8 @@ def pgd(
     if norms.check_norm(norm) not in ("linf", "l2"):
         raise ValueError(f"pgd supports norms 'linf' and 'l2', not {norm!r}")
     losses.get(loss)
-    if steps < 1 or restarts < 1:
-        raise ValueError(f"pgd needs steps >= 1 and restarts >= 1, got {steps} and {restarts}")
+    check_count("pgd", "steps", steps)
+    check_count("pgd", "restarts", restarts)
     if step_size is not None and not step_size > 0:
         raise ValueError(f"pgd step_size must be positive, got {step_size}")
     return Attack(

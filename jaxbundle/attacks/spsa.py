@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxbundle import losses, norms
-from jaxbundle.attacks.base import Attack, Candidate, ScoreOracle
+from jaxbundle.attacks.base import Attack, Candidate, ScoreOracle, check_count
 from jaxbundle.attacks.pgd import random_in_ball
 
 __all__ = ["SPSAConfig", "SPSAState", "rademacher", "spsa_gradient", "init", "step", "spsa"]
@@ -140,8 +140,7 @@ def spsa(
     """
     if norms.check_norm(norm) != "linf":
         raise ValueError(f"spsa supports only norm 'linf', not {norm!r}")
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"spsa needs steps >= 1, got {steps!r}")
+    check_count("spsa", "steps", steps)
     if not isinstance(samples, int) or samples < 2 or samples % 2:
         raise ValueError(f"spsa samples must be an even integer >= 2, got {samples!r}")
     for label, value in (("delta", delta), ("learning_rate", learning_rate)):

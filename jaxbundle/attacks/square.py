@@ -64,7 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxbundle import losses, norms
-from jaxbundle.attacks.base import Attack, Candidate, ScoreOracle
+from jaxbundle.attacks.base import Attack, Candidate, ScoreOracle, check_count
 
 __all__ = [
     "SquareConfig",
@@ -431,10 +431,7 @@ def square(
     """
     if not isinstance(norm, str) or norm not in ("linf", "l2"):
         raise ValueError(f"square supports norms 'linf' and 'l2', not {norm!r}")
-    if isinstance(queries, bool) or not isinstance(queries, (int, np.integer)) or queries < 2:
-        raise ValueError(
-            f"square needs an integer budget of queries >= 2 (init + 1 step), got {queries!r}"
-        )
+    check_count("square", "queries (init + 1 step)", queries, minimum=2)
     if p_init is None:
         p_init = DEFAULT_P_INIT[norm]
     if not 0.0 < float(p_init) <= 1.0:
