@@ -15,12 +15,14 @@ bundled robust accuracy at the report's ``eps``, and the relative robustness.
 
 from __future__ import annotations
 
+import functools
 import json
-import math
 import os
-from typing import Any, Sequence
+from typing import Sequence
 
 from rich.table import Table
+
+from jaxbundle.formatting import decode_infinities, number, to_float
 
 __all__ = ["load_reports", "compare_rows", "compare_table", "compare_markdown", "ROW_KEYS"]
 
@@ -36,25 +38,6 @@ ROW_KEYS = (
 )
 
 _SCHEMA_VERSION = 1  # jaxbundle.report.SCHEMA_VERSION, the newest this module reads
-# Values that are names, never numbers (a model or attack called "inf" stays a string).
-_STRING_KEYS = frozenset({"wat_attack", "norm", "per_example", "goals", "figures"})
-
-
-def _decode(value: Any, key: str | None = None) -> Any:
-    """report.json writes infinities as the strings "inf" / "-inf": turn them back into floats."""
-    if key in _STRING_KEYS:
-        return value
-    if isinstance(value, dict):
-        return {k: _decode(v, k) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_decode(v) for v in value]
-    if value == "inf":
-        return math.inf
-    if value == "-inf":
-        return -math.inf
-    return value
-
-
 def _report_file(path: str | os.PathLike) -> str:
     path = os.fspath(path)
     return os.path.join(path, "report.json") if os.path.isdir(path) else path
@@ -101,19 +84,8 @@ def load_reports(paths: Sequence[str | os.PathLike]) -> list[tuple[str, dict]]:
     for name, report in zip(names, reports):
         for model, metrics in report["models"].items():
             label = f"{name}/{model}" if len(files) > 1 else str(model)
-            entries.append((label, _decode(metrics)))
+            entries.append((label, decode_infinities(metrics)))
     return entries
-
-
-def _float(value: Any) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, str):
-        value = _decode(value)
-        if isinstance(value, str):
-            return None
-    value = float(value)
-    return None if math.isnan(value) else value
 
 
 def compare_rows(entries: Sequence[tuple[str, dict]]) -> list[dict]:
@@ -125,28 +97,19 @@ def compare_rows(entries: Sequence[tuple[str, dict]]) -> list[dict]:
         half = metrics.get("half_distortion") or {}
         rows.append({
             "model": label,
-            "clean_accuracy": _float(metrics.get("clean_accuracy")),
-            "d_half_white": _float((half.get("white_box") or {}).get("d_half")),
-            "d_half_black": _float((half.get("black_box") or {}).get("d_half")),
-            "robust_accuracy": _float(metrics.get("robust_accuracy")),
-            "eps": _float(metrics.get("eps")),
+            "clean_accuracy": to_float(metrics.get("clean_accuracy")),
+            "d_half_white": to_float((half.get("white_box") or {}).get("d_half")),
+            "d_half_black": to_float((half.get("black_box") or {}).get("d_half")),
+            "robust_accuracy": to_float(metrics.get("robust_accuracy")),
+            "eps": to_float(metrics.get("eps")),
             "norm": metrics.get("norm"),
-            "relative_robustness": _float(metrics.get("relative_robustness")),
+            "relative_robustness": to_float(metrics.get("relative_robustness")),
         })
     return rows
 
 
-def _pct(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2f}"
-
-
-def _dist(value: float | None) -> str:
-    if value is None:
-        return "n/a"
-    if math.isinf(value):
-        return "inf" if value > 0 else "-inf"
-    return f"{value:.4g}"
-
+_pct = number
+_dist = functools.partial(number, spec=".4g")
 
 _COLUMNS = (  # (header, key, formatter)
     ("model", "model", str),

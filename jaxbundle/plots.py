@@ -21,6 +21,8 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from jaxbundle.formatting import to_float
+
 __all__ = [
     "operating_characteristic",
     "attack_table",
@@ -48,32 +50,22 @@ _KINDS = (  # (key, legend label, colour)
 _DPI = 100
 
 
-def _num(value: Any) -> float | None:
-    """A float from a metrics value: ``None`` stays ``None``; ``"inf"``/``"-inf"`` (report.json)
-    become infinities; NaN becomes ``None``."""
-    if value is None:
-        return None
-    if isinstance(value, str):
-        try:
-            value = float(value)
-        except ValueError:
-            return None
-    value = float(value)
-    return None if math.isnan(value) else value
-
-
 def _figure(width: float = 6.0, height: float = 4.0) -> Figure:
     fig = Figure(figsize=(width, height), dpi=_DPI, layout="constrained")
     FigureCanvasAgg(fig)
     return fig
 
 
-def _save(fig: Figure, path: str | os.PathLike) -> str:
+NO_DATA = "jaxbundle: no data"  # the PNG description of a panel drawn without data
+
+
+def _save(fig: Figure, path: str | os.PathLike, description: str | None = None) -> str:
     path = os.fspath(path)
     directory = os.path.dirname(path)
     if directory:
         os.makedirs(directory, exist_ok=True)
-    fig.savefig(path, format="png", dpi=_DPI)
+    metadata = {"Description": description} if description else None
+    fig.savefig(path, format="png", dpi=_DPI, metadata=metadata)
     return path
 
 
@@ -83,11 +75,11 @@ def _no_data(path: str | os.PathLike, title: str, reason: str) -> str:
     ax.set_axis_off()
     ax.set_title(title)
     ax.text(0.5, 0.5, reason, ha="center", va="center", transform=ax.transAxes, wrap=True)
-    return _save(fig, path)
+    return _save(fig, path, f"{NO_DATA}: {reason}")
 
 
 def _threat(metrics: Mapping[str, Any]) -> str:
-    eps, norm = _num(metrics.get("eps")), metrics.get("norm")
+    eps, norm = to_float(metrics.get("eps")), metrics.get("norm")
     if eps is None or norm is None:
         return ""
     return f"{norm} eps={eps:g}"
@@ -96,7 +88,7 @@ def _threat(metrics: Mapping[str, Any]) -> str:
 def _curves(metrics: Mapping[str, Any]) -> dict[str, np.ndarray]:
     oc = metrics.get("operating_characteristic") or {}
     return {
-        kind: np.asarray([_num(v) or 0.0 for v in oc[kind]], np.float64)
+        kind: np.asarray([to_float(v) or 0.0 for v in oc[kind]], np.float64)
         for kind, _, _ in _KINDS
         if oc.get(kind)
     }
@@ -113,14 +105,14 @@ def operating_characteristic(metrics: Mapping[str, Any], path: str | os.PathLike
     title = "Operating characteristic P(D)"
     curves = _curves(metrics)
     oc = metrics.get("operating_characteristic") or {}
-    grid = np.asarray([_num(v) for v in oc.get("grid", [])], np.float64)
+    grid = np.asarray([to_float(v) for v in oc.get("grid", [])], np.float64)
     if not curves or grid.size == 0:
         return _no_data(path, title, "no P(D) curve in these metrics")
     curves = {k: c for k, c in curves.items() if c.size == grid.size}
     if not curves:
         return _no_data(path, title, "P(D) curves and grid differ in length")
 
-    eps = _num(metrics.get("eps"))
+    eps = to_float(metrics.get("eps"))
     norm = metrics.get("norm") or "distortion"
     half = metrics.get("half_distortion") or {}
     fig = _figure()
@@ -131,8 +123,8 @@ def operating_characteristic(metrics: Mapping[str, Any], path: str | os.PathLike
     for kind, label, colour in _KINDS:
         if kind not in curves:
             continue
-        d_half = _num((half.get(kind) or {}).get("d_half"))
-        fooled = _num((half.get(kind) or {}).get("fooled_fraction"))
+        d_half = to_float((half.get(kind) or {}).get("d_half"))
+        fooled = to_float((half.get(kind) or {}).get("fooled_fraction"))
         if d_half is None:
             text = "n/a"
         elif math.isinf(d_half):
@@ -159,7 +151,7 @@ def operating_characteristic(metrics: Mapping[str, Any], path: str | os.PathLike
     ax.set_ylim(0.0, 1.02)
     ax.set_xlabel(f"D ({norm} distortion)")
     ax.set_ylabel("P(D): fraction of correct examples fooled")
-    clean = _num(metrics.get("clean_accuracy"))
+    clean = to_float(metrics.get("clean_accuracy"))
     subtitle = "" if clean is None else f" (clean error {100.0 - clean:.2f}%)"
     ax.set_title(title + subtitle)
     ax.grid(alpha=0.3)
@@ -177,18 +169,18 @@ def attack_table(metrics: Mapping[str, Any], path: str | os.PathLike) -> str:
     title = "Robust accuracy per attack"
     rows: list[tuple[str, float, str]] = []  # (label, percent, colour)
     for name, acc in (metrics.get("mat") or {}).items():
-        if _num(acc) is not None:
-            rows.append((f"MAT {name}", _num(acc), "tab:gray"))
-    wat = _num(metrics.get("wat"))
+        if to_float(acc) is not None:
+            rows.append((f"MAT {name}", to_float(acc), "tab:gray"))
+    wat = to_float(metrics.get("wat"))
     if wat is not None:
         rows.append((f"WAT ({metrics.get('wat_attack')})", wat, "tab:purple"))
     for key, label, colour in (
         ("white_box_robust_accuracy", "white-box bundled", "tab:blue"),
         ("black_box_robust_accuracy", "black-box bundled", "tab:orange"),
     ):
-        if _num(metrics.get(key)) is not None:
-            rows.append((label, _num(metrics.get(key)), colour))
-    robust = _num(metrics.get("robust_accuracy"))
+        if to_float(metrics.get(key)) is not None:
+            rows.append((label, to_float(metrics.get(key)), colour))
+    robust = to_float(metrics.get("robust_accuracy"))
     if robust is not None:
         rows.append(("bundled", robust, "tab:red"))
     if not rows:
@@ -202,7 +194,7 @@ def attack_table(metrics: Mapping[str, Any], path: str | os.PathLike) -> str:
     for yi, v in zip(y, values):
         ax.text(v + 1.0, yi, f"{v:.1f}", va="center", fontsize="small")
     ax.set_yticks(y, [r[0] for r in rows], fontsize="small")
-    clean = _num(metrics.get("clean_accuracy"))
+    clean = to_float(metrics.get("clean_accuracy"))
     if clean is not None:
         ax.axvline(clean, color="black", linestyle="--", linewidth=1, label=f"clean {clean:.1f}%")
         ax.legend(loc="lower right", fontsize="small")
@@ -226,7 +218,7 @@ def failure_rate(metrics: Mapping[str, Any], path: str | os.PathLike) -> str:
         return _no_data(
             path, title, "no failure-rate curve (the max_confidence goal was not tracked)"
         )
-    t = np.asarray([_num(v) for v in curve["thresholds"]], np.float64)
+    t = np.asarray([to_float(v) for v in curve["thresholds"]], np.float64)
     fig = _figure()
     ax = fig.add_subplot()
     for key, colour in (("attacked", "tab:red"), ("clean", "tab:green")):
@@ -252,8 +244,8 @@ def robustness_vs_compute(metrics: Mapping[str, Any], path: str | os.PathLike) -
     span more than two decades). Steps are labelled with the attack names when they match."""
     title = "Robust accuracy vs compute"
     rc = metrics.get("robustness_vs_compute") or {}
-    cost = np.asarray([_num(v) for v in rc.get("cost", [])], np.float64)
-    acc = np.asarray([_num(v) for v in rc.get("robust_accuracy", [])], np.float64)
+    cost = np.asarray([to_float(v) for v in rc.get("cost", [])], np.float64)
+    acc = np.asarray([to_float(v) for v in rc.get("robust_accuracy", [])], np.float64)
     if cost.size < 2 or cost.size != acc.size:
         return _no_data(path, title, "no robustness-vs-compute curve in these metrics")
     fig = _figure()
@@ -357,7 +349,7 @@ def _has_data(name: str, metrics: Mapping[str, Any], per_example, x_clean) -> bo
         oc = metrics.get("operating_characteristic") or {}
         return bool(oc.get("grid")) and bool(_curves(metrics))
     if name == "attack_table":
-        return bool(metrics.get("mat")) or _num(metrics.get("robust_accuracy")) is not None
+        return bool(metrics.get("mat")) or to_float(metrics.get("robust_accuracy")) is not None
     if name == "failure_rate":
         return bool((metrics.get("failure_rate_curve") or {}).get("thresholds"))
     if name == "robustness_vs_compute":

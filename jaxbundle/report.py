@@ -85,14 +85,11 @@ from rich.console import Console
 from rich.table import Table
 
 from jaxbundle.evaluate import Evaluation
+from jaxbundle.formatting import encode_infinities, number
 
 __all__ = ["SCHEMA_VERSION", "table", "print_tables", "write_report", "markdown"]
 
 SCHEMA_VERSION = 1
-
-
-def _pct(v: float | None) -> str:
-    return "n/a" if v is None else f"{v:6.2f}"
 
 
 def attack_rows(metrics: dict) -> list[tuple[str, float | None]]:
@@ -119,18 +116,18 @@ def table(model_name: str, metrics: dict) -> Table:
     t.add_column("RR %", justify="right")
     clean = metrics["clean_accuracy"]
     rr = lambda acc: None if not clean else 100.0 * acc / clean  # noqa: E731
-    t.add_row("clean", _pct(clean), "")
+    t.add_row("clean", number(clean), "")
     for label, acc in attack_rows(metrics):
-        t.add_row(label, _pct(acc), _pct(rr(acc)))
+        t.add_row(label, number(acc), number(rr(acc)))
     white, black = metrics.get("white_box_robust_accuracy"), metrics.get("black_box_robust_accuracy")
     if white is not None and black is not None:
-        t.add_row("white-box bundled", _pct(white), _pct(rr(white)))
-        t.add_row("black-box bundled", _pct(black), _pct(rr(black)))
+        t.add_row("white-box bundled", number(white), number(rr(white)))
+        t.add_row("black-box bundled", number(black), number(rr(black)))
         t.add_row("fooled by black-box only", str(metrics["black_box_only"]), "")
     t.add_row(
         "[bold]bundled robust[/bold]",
-        f"[bold]{_pct(metrics['robust_accuracy'])}[/bold]",
-        f"[bold]{_pct(metrics['relative_robustness'])}[/bold]",
+        f"[bold]{number(metrics['robust_accuracy'])}[/bold]",
+        f"[bold]{number(metrics['relative_robustness'])}[/bold]",
     )
     return t
 
@@ -168,7 +165,7 @@ def write_report(
     }
     path = os.path.join(out_dir, "report.json")
     with open(path, "w") as f:
-        json.dump(_explicit_inf(report), f, indent=2, allow_nan=False, default=_json_default)
+        json.dump(encode_infinities(report), f, indent=2, allow_nan=False, default=_json_default)
     with open(os.path.join(out_dir, "report.md"), "w") as f:
         f.write(markdown(report))
     return path
@@ -186,20 +183,12 @@ def _grid_inputs(evaluation: Evaluation, x_clean: np.ndarray | None) -> tuple[di
     return dict(per_example, x_adv=shown["x_adv"]), shown["x_clean"]
 
 
-def _fmt(v: Any, digits: int = 2) -> str:
-    if v is None:
-        return "n/a"
-    if isinstance(v, (float, np.floating)) and np.isinf(v):
-        return "inf"
-    return f"{v:.{digits}f}" if isinstance(v, (float, np.floating)) else str(v)
-
-
 def _half_text(h: dict | None) -> str:
     if not h:
         return "n/a"
     if h["d_half"] is not None and np.isinf(h["d_half"]):
         return f"inf (only {100 * h['fooled_fraction']:.1f}% ever fooled)"
-    return _fmt(h["d_half"], 3)
+    return number(h["d_half"], ".3f")
 
 
 def check_lines(checks: dict[str, dict]) -> list[str]:
@@ -228,18 +217,18 @@ def markdown(report: dict) -> str:
         clean = m["clean_accuracy"]
         rr = lambda acc: None if not clean else 100.0 * acc / clean  # noqa: E731
         lines += [f"## {name}", "", "| row | accuracy % | RR % |", "|---|---:|---:|",
-                  f"| clean | {_fmt(clean)} | |"]
+                  f"| clean | {number(clean)} | |"]
         lines += [
-            f"| {' '.join(label.split())} | {_fmt(v)} | {_fmt(rr(v))} |"
+            f"| {' '.join(label.split())} | {number(v)} | {number(rr(v))} |"
             for label, v in attack_rows(m)
         ]
         for kind in ("white_box", "black_box"):
             v = m.get(f"{kind}_robust_accuracy")
             if v is not None and m.get("black_box_robust_accuracy") is not None:
-                lines.append(f"| {kind.replace('_', '-')} bundled | {_fmt(v)} | {_fmt(rr(v))} |")
+                lines.append(f"| {kind.replace('_', '-')} bundled | {number(v)} | {number(rr(v))} |")
         lines += [
-            f"| **bundled robust** | **{_fmt(m['robust_accuracy'])}** | "
-            f"**{_fmt(m['relative_robustness'])}** |",
+            f"| **bundled robust** | **{number(m['robust_accuracy'])}** | "
+            f"**{number(m['relative_robustness'])}** |",
             "",
             f"Judged: {m['judging']['statement']}.",
             "",
@@ -266,7 +255,7 @@ def markdown(report: dict) -> str:
             lines += ["| shift (accuracy % / RR %) | " + " | ".join(f"severity {s}" for s in sev) + " |",
                       "|---|" + "---|" * len(sev)]
             for s_name in names:
-                cells = [f"{_fmt(v['accuracy'], 1)} / {_fmt(v['relative_robustness'], 1)}"
+                cells = [f"{number(v['accuracy'], '.1f')} / {number(v['relative_robustness'], '.1f')}"
                          for v in shifts[s_name].values()]
                 lines.append(f"| {s_name} | " + " | ".join(cells) + " |")
             lines.append("")
@@ -280,18 +269,6 @@ def _rates(s: dict) -> str:
     at = ", ".join(f"{100 * v:.1f} % at {t}" for t, v in s["robust_accuracy_at_threshold"].items())
     eot = ", ".join(f"{k} {v}" for k, v in s["eot"].items())
     return f"robust accuracy {at}; EOT samples: {eot}"
-
-
-def _explicit_inf(value: Any) -> Any:
-    """JSON has no infinity: an infinite float (e.g. D1/2 when under half are fooled) is
-    written as the string ``"inf"``; NaN is never produced."""
-    if isinstance(value, dict):
-        return {k: _explicit_inf(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_explicit_inf(v) for v in value]
-    if isinstance(value, (float, np.floating)) and np.isinf(value):
-        return "inf" if value > 0 else "-inf"
-    return value
 
 
 def _json_default(value: Any) -> Any:

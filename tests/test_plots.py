@@ -17,10 +17,13 @@ METRIC_FIGURES = (
 )
 
 
-def assert_png(path) -> None:
+def assert_png(path, data: bool = True) -> None:
+    """A PNG file; with ``data``, a real figure, not the panel drawn when data is missing."""
     assert os.path.getsize(path) > 100
     with open(path, "rb") as f:
-        assert f.read(8) == PNG_SIGNATURE
+        content = f.read()
+    assert content[:8] == PNG_SIGNATURE
+    assert (plots.NO_DATA.encode() in content) is not data, "no-data panel" if data else "figure"
 
 
 def make_metrics() -> dict:
@@ -113,14 +116,14 @@ def test_missing_kinds_and_curves_do_not_fail(tmp_path):
     m["half_distortion"]["white_box"]["d_half"] = None
     m["half_distortion"]["bundled"]["d_half"] = math.inf
     del m["failure_rate_curve"]
-    for name in METRIC_FIGURES:
-        assert_png(getattr(plots, name)(m, tmp_path / f"{name}.png"))
+    for name in METRIC_FIGURES:  # the failure-rate curve alone is gone entirely
+        assert_png(getattr(plots, name)(m, tmp_path / f"{name}.png"), data=name != "failure_rate")
     # Nothing at all: each function still writes a panel saying there is no data.
     for name in METRIC_FIGURES:
-        assert_png(getattr(plots, name)({}, tmp_path / f"empty_{name}.png"))
+        assert_png(getattr(plots, name)({}, tmp_path / f"empty_{name}.png"), data=False)
     x, per_example = make_per_example()
     per_example["success"][:] = False
-    assert_png(plots.example_grid(x, per_example, tmp_path / "none.png"))
+    assert_png(plots.example_grid(x, per_example, tmp_path / "none.png"), data=False)
 
 
 def test_metrics_read_back_from_report_json_with_inf_strings(tmp_path):
