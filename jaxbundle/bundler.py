@@ -36,6 +36,7 @@ from jaxbundle import goals as goals_lib
 from jaxbundle import norms
 from jaxbundle import sampling
 from jaxbundle.attacks.base import KINDS, Attack, WhiteBoxModel, per_example_keys, threat_model
+from jaxbundle.data.images import check_labels, check_pixels
 from jaxbundle.judge import STRETCH, check_judging, judged_on_grid, judged_score, verify
 from jaxbundle.models.layers import canonical_convolutions
 
@@ -89,7 +90,7 @@ class BundleResult(NamedTuple):
 
 def fold(goal: str, eps: jax.Array, best: BestState, cand: BestState) -> BestState:
     """Keeps, per example, ``cand`` where ``goal`` prefers it to ``best``."""
-    return norms.tree_where(goals_lib.GOALS[goal](best.score, cand.score, eps), cand, best)
+    return norms.tree_where(goals_lib.GOALS[goal].take(best.score, cand.score, eps), cand, best)
 
 
 def candidate_state(
@@ -488,13 +489,12 @@ def take_rows(running: Running, positions: jax.Array) -> Running:
 def _smallest_distortion(found: dict[str, BestState], eps: jax.Array) -> jax.Array:
     """An attack's smallest verified adversarial distortion per example (inf: none found).
 
-    From the min-norm goal when it is tracked, else from the misclassify goal's success.
+    From an unbounded (min-norm) goal when one is tracked, else from the misclassify goal's
+    success.
     """
-    if "min_norm" in found:
-        s = found["min_norm"].score
-        return jnp.where(s.misclassified, s.distortion, jnp.inf)
-    s = found["misclassify"].score
-    return jnp.where(goals_lib.success("misclassify", s, eps), s.distortion, jnp.inf)
+    goal = next((g for g in found if not goals_lib.GOALS[g].bounded), "misclassify")
+    s = found[goal].score
+    return jnp.where(goals_lib.success(goal, s, eps), s.distortion, jnp.inf)
 
 
 def _cross_fold(
@@ -530,6 +530,13 @@ def check_attacks(attacks: Sequence[Attack], norm: str) -> tuple[Attack, ...]:
         if a.norm != norm:
             raise ValueError(
                 f"attack {a.name!r} works in norm {a.norm!r} but the threat model is {norm!r}"
+            )
+        # A schedule in the config (step sizes, checkpoints) is built for its own length.
+        planned = getattr(a.config, "num_steps", a.num_steps)
+        if planned != a.num_steps:
+            raise ValueError(
+                f"attack {a.name!r} runs {a.num_steps} steps but its config is built for "
+                f"{planned}; build it again with the factory (steps={a.num_steps})"
             )
     names = [a.name for a in attacks]
     duplicates = sorted({n for n in names if names.count(n) > 1})
@@ -594,28 +601,21 @@ def check_inputs(
     y: Any,
     eps: Any,
     *,
-    check_values: bool = True,
     judging: str = "auto",
 ) -> int:
     """Checks shapes, dtypes and values at the boundary; returns the number of classes.
 
-    Raises ``ValueError`` (or ``TypeError``) naming the problem: shapes, non-float images,
-    NaN or infinite pixels, pixels outside [0, 1], non-integer or out-of-range labels,
-    negative or non-finite eps, a model whose output is not ``[B, K]`` logits, and (for
-    ``judging="grid"``) images off the 8-bit grid.
+    Raises ``ValueError`` (or ``TypeError``) naming the problem: shapes, images failing
+    :func:`jaxbundle.data.check_pixels` (non-float, NaN or infinite, outside [0, 1]), labels
+    failing :func:`jaxbundle.data.check_labels` (not integers, wrong length, out of range for
+    the model), negative or non-finite eps, a model whose output is not ``[B, K]`` logits, and
+    (for ``judging="grid"``) images off the 8-bit grid.
     """
     if not hasattr(x, "shape") or not hasattr(y, "shape"):
         raise TypeError("x and y must be arrays")
     if x.ndim < 2:
         raise ValueError(f"x must be a batch of images [B, ...], got shape {tuple(x.shape)}")
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise ValueError(
-            f"x must be floating point in [0, 1], got dtype {x.dtype} (divide uint8 images by 255)"
-        )
-    if y.ndim != 1 or y.shape[0] != x.shape[0]:
-        raise ValueError(f"y must have shape [{x.shape[0]}] to match x, got {tuple(y.shape)}")
-    if not jnp.issubdtype(y.dtype, jnp.integer):
-        raise ValueError(f"labels y must be integers, got dtype {y.dtype}")
+    check_pixels(x)
     out = _output_shape(apply_fn, params, tuple(x.shape))
     if len(out.shape) != 2 or out.shape[0] != x.shape[0]:
         raise ValueError(
@@ -623,32 +623,20 @@ def check_inputs(
             f"got shape {tuple(out.shape)}"
         )
     num_classes = int(out.shape[1])
+    check_labels(y, x.shape[0], num_classes)
     eps_host = np.asarray(eps, dtype=np.float64)
     if eps_host.ndim > 1 or (eps_host.ndim == 1 and eps_host.shape[0] != x.shape[0]):
         raise ValueError(f"eps must be a scalar or shape [{x.shape[0]}], got {eps_host.shape}")
     if not np.all(np.isfinite(eps_host)) or np.any(eps_host < 0):
         raise ValueError(f"eps must be finite and >= 0, got {eps_host.min() if eps_host.size else eps_host}")
-    if check_values:
-        xh, yh = np.asarray(x), np.asarray(y)
-        if not np.all(np.isfinite(xh)):
-            raise ValueError(f"x holds {int(np.sum(~np.isfinite(xh)))} NaN or infinite pixel values")
-        lo, hi = float(xh.min()), float(xh.max())
-        if lo < 0.0 or hi > 1.0:
-            raise ValueError(f"pixels must lie in [0, 1], found min {lo:.4g} and max {hi:.4g}")
-        bad = yh[(yh < 0) | (yh >= num_classes)]
-        if bad.size:
+    if check_judging(judging) == "grid":
+        off = int(np.sum(~norms.on_grid(np.asarray(x, np.float32))))
+        if off:
             raise ValueError(
-                f"labels must lie in [0, {num_classes}) for a {num_classes}-class model, "
-                f"found {sorted(set(bad.tolist()))[:10]}"
+                f"judging='grid' needs clean images on the 8-bit grid (k/255), but {off} of "
+                f"{x.shape[0]} are not (resized or augmented?); use judging='auto' to judge "
+                "those in float32, or round them to the grid first"
             )
-        if check_judging(judging) == "grid":
-            off = int(np.sum(~norms.on_grid(np.asarray(xh, np.float32))))
-            if off:
-                raise ValueError(
-                    f"judging='grid' needs clean images on the 8-bit grid (k/255), but {off} of "
-                    f"{xh.shape[0]} are not (resized or augmented?); use judging='auto' to judge "
-                    "those in float32, or round them to the grid first"
-                )
     return num_classes
 
 

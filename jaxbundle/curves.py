@@ -5,8 +5,9 @@ All of these work on the per-example arrays a bundle run produces (``[n]`` numpy
 * **Operating characteristic** ``P(D)`` (RoBIC, Pautrat et al. 2021): among the examples the
   model classifies correctly, the fraction fooled within distortion ``D``, from the min-norm
   goal's smallest adversarial distortion per example (``inf`` where none was found). The clean
-  error is reported apart. :class:`DistortionCounts` holds counts on a fixed grid of ``D`` that
-  merge by addition (batches, devices, hosts); the exact per-example values go to disk.
+  error is reported apart. It is computed on the host from the exact per-example values,
+  which every evaluation gathers anyway (and writes to disk), on the fixed grid of
+  :func:`distortion_grid`.
 * **Half-distortion** ``D1/2``: the smallest ``D`` with ``P(D) >= 1/2``, the ``ceil(m/2)``-th
   smallest distortion of the ``m`` correct examples. When fewer than half are ever fooled it is
   infinite, and reported as ``inf`` with ``fooled_fraction`` beside it, never as NaN.
@@ -22,14 +23,11 @@ All of these work on the per-example arrays a bundle run produces (``[n]`` numpy
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Sequence
+from typing import Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 __all__ = [
-    "DistortionCounts",
     "distortion_grid",
     "operating_characteristic",
     "half_distortion",
@@ -48,47 +46,15 @@ def distortion_grid(norm: str, size: int = 200) -> np.ndarray:
     return np.linspace(0.0, top, size + 1, dtype=np.float32)[1:]
 
 
-class DistortionCounts(NamedTuple):
-    """``P(D)`` on a fixed grid as mergeable sums: ``P(grid[g]) = fooled_within[g] / correct``."""
-
-    correct: jax.Array  # int32: correctly classified (real) examples
-    fooled_within: jax.Array  # int32 [G]: of those, fooled with distortion <= grid[g]
-
-    @classmethod
-    def empty(cls, grid_size: int) -> "DistortionCounts":
-        return cls(jnp.zeros((), jnp.int32), jnp.zeros((grid_size,), jnp.int32))
-
-    @classmethod
-    def from_arrays(
-        cls, distortion: jax.Array, clean_correct: jax.Array, mask: jax.Array, grid: jax.Array
-    ) -> "DistortionCounts":
-        """``distortion`` ``[B]`` (inf: never fooled), ``clean_correct`` and ``mask`` ``[B]``."""
-        ok = jnp.asarray(clean_correct, bool) & jnp.asarray(mask, bool)
-        within = jnp.asarray(distortion)[None, :] <= jnp.asarray(grid)[:, None]
-        return cls(
-            jnp.sum(ok, dtype=jnp.int32), jnp.sum(within & ok[None, :], axis=1, dtype=jnp.int32)
-        )
-
-    def merge(self, other: "DistortionCounts") -> "DistortionCounts":
-        return jax.tree.map(jnp.add, self, other)
-
-    def curve(self) -> np.ndarray:
-        """``P(grid)`` as floats in [0, 1] (NaN-free: 0 when no example is correct)."""
-        c = int(self.correct)
-        return np.asarray(self.fooled_within, np.float64) / c if c else np.zeros(
-            np.shape(self.fooled_within)
-        )
-
-
 def operating_characteristic(
     distortion: np.ndarray, clean_correct: np.ndarray, grid: np.ndarray
 ) -> np.ndarray:
-    """``P(D)`` at each ``D`` of ``grid`` from exact per-example values (correct examples only)."""
-    counts = DistortionCounts.from_arrays(
-        np.asarray(distortion), np.asarray(clean_correct), np.ones(len(distortion), bool),
-        np.asarray(grid),
-    )
-    return counts.curve()
+    """``P(D)`` at each ``D`` of ``grid`` from exact per-example values: the fraction of the
+    correctly classified examples fooled with distortion ``<= D`` (zeros with none correct)."""
+    d = np.sort(np.asarray(distortion, np.float64)[np.asarray(clean_correct, bool)])
+    if d.size == 0:
+        return np.zeros(np.shape(grid))
+    return np.searchsorted(d, np.asarray(grid, np.float64), side="right") / d.size
 
 
 def half_distortion(distortion: np.ndarray, clean_correct: np.ndarray) -> dict:

@@ -48,6 +48,7 @@ from jaxbundle.sampling import is_stochastic
 __all__ = [
     "Evaluation",
     "curve_metrics",
+    "kind_distortions",
     "default_mesh",
     "describe",
     "evaluate",
@@ -75,9 +76,6 @@ def per_example_arrays(
     by_white, by_black = kind_success(result.attack_success, black_box)
     out = {
         "clean_prediction": result.clean.prediction,
-        "adversarial_prediction": mis.score.prediction,
-        "success": goals_lib.success("misclassify", mis.score, eps),
-        "distortion": mis.score.distortion,
         "winning_attack": mis.attack,
         "winning_restart": mis.restart,
         "winning_step": mis.step,
@@ -95,12 +93,8 @@ def per_example_arrays(
         "judged_on_grid": result.judged_on_grid,
         "x_adv": mis.x,  # the judged image (float32; stored as uint8 when all are on the grid)
     }
-    if "max_confidence" in result.best:
-        mc = result.best["max_confidence"].score
-        out["max_wrong_confidence"] = jnp.where(goals_lib.within(mc, eps), mc.confidence, 0.0)
-    if "min_norm" in result.best:
-        mn = result.best["min_norm"].score
-        out["min_distortion"] = jnp.where(mn.misclassified, mn.distortion, jnp.inf)
+    for goal, best in result.best.items():  # misclassify: success, distortion, prediction
+        out.update(goals_lib.GOALS[goal].per_example(best.score, eps))
     return out
 
 
@@ -130,20 +124,27 @@ def stochastic_metrics(apply_fn: Any, attacks: Sequence[Attack],
     }
 
 
-def curve_metrics(per_example: dict[str, np.ndarray], attacks: Sequence[Attack], norm: str) -> dict:
-    """P(D) and D1/2 (white-box, black-box, bundled), the failure-rate curve, per-attack
-    contributions and robust accuracy vs compute, from the exact per-example values."""
-    ok = per_example["clean_prediction"] == per_example["label"]
+def kind_distortions(per_example: dict[str, np.ndarray], attacks: Sequence[Attack]
+                     ) -> dict[str, np.ndarray]:
+    """Per example, the smallest verified adversarial distortion (inf: none) over the white-box
+    attacks, the black-box ones and all of them: ``min_distortion_<kind>``, for each kind that
+    has attacks."""
     dist = per_example["attack_distortion"]  # [n, A]
     black = np.asarray([a.black_box for a in attacks], bool)
     kinds = {"white_box": ~black, "black_box": black, "bundled": np.ones_like(black)}
+    return {f"min_distortion_{kind}": np.min(dist[:, members], axis=1)
+            for kind, members in kinds.items() if members.any()}
+
+
+def curve_metrics(per_example: dict[str, np.ndarray], attacks: Sequence[Attack], norm: str) -> dict:
+    """P(D) and D1/2 (white-box, black-box, bundled: from :func:`kind_distortions`' arrays),
+    the failure-rate curve, per-attack contributions and robust accuracy vs compute, from the
+    exact per-example values."""
+    ok = per_example["clean_prediction"] == per_example["label"]
     grid = curves.distortion_grid(norm)
     oc, half = {"grid": grid.tolist()}, {}
-    for kind, members in kinds.items():
-        if not members.any():
-            continue
-        d = np.min(dist[:, members], axis=1)
-        per_example[f"min_distortion_{kind}"] = d
+    for key, d in kind_distortions(per_example, attacks).items():
+        kind = key.removeprefix("min_distortion_")
         oc[kind] = curves.operating_characteristic(d, ok, grid).tolist()
         half[kind] = curves.half_distortion(d, ok)
     names = [a.name for a in attacks]
@@ -492,6 +493,129 @@ def evaluate_source(
       An :class:`Evaluation`. Adversarial images are uint8 when every clean image is stored on
       the 8-bit grid and judged there, else float32 (the judged images exactly).
     """
+    attacks, goal_names, focus, segments, eps_value = _check_options(
+        apply_fn, source, attacks, eps=eps, norm=norm, goals=goals, judging=judging,
+        batch_size=batch_size, schedule=schedule, schedule_goal=schedule_goal, focus=focus,
+        segments=segments)
+    n = len(source)
+    if mesh == "auto":
+        mesh = default_mesh()
+    if mesh is None:
+        batch_size = min(batch_size, n)
+    fingerprint_ = None if checkpoint_dir is None else fingerprint(  # hashes params and data
+        attacks=[describe(a) for a in attacks], eps=eps_value, norm=norm,
+        goals=list(goal_names), seed=seed, batch_size=batch_size, judging=judging,
+        schedule=([schedule, schedule_goal, threshold, budget, sorted(focus.items()), segments]
+                  if schedule != "full" else "full"),
+        data=source.describe(), n=n, model=params_digest(params), images=keep_images,
+        apply_fn=describe(apply_fn),
+    )
+    local_params, sharding = params, None
+    if mesh is not None:
+        devices = mesh.devices.size
+        if batch_size % devices:
+            raise ValueError(f"batch_size {batch_size} must be a multiple of {devices} devices")
+        sharding = NamedSharding(mesh, PartitionSpec("batch"))
+        _local_rows_match(sharding, batch_size, source.shape)
+        params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+    run = _Run(
+        apply_fn=apply_fn, params=params, source=source, attacks=attacks, n=n,
+        batch_size=batch_size, seed=seed, key=jax.random.key(seed), eps=eps_value, norm=norm,
+        goal_names=goal_names, judging=judging, unroll=unroll, restart_mode=restart_mode,
+        mesh=mesh, sharding=sharding,
+        process=(jax.process_index(), jax.process_count()) if mesh is not None else (0, 1),
+        schedule=schedule, schedule_goal=schedule_goal, threshold=threshold, budget=budget,
+        focus=focus, segments=segments,
+    )
+    uint8_images = _stored_on_grid(source, judging)
+    lead = jax.process_index() == 0
+    # Host-side state only (numpy): counts are summed here, never by eager ops on global arrays.
+    state = _State(
+        0, jax.tree.map(np.asarray, Counts.empty(len(attacks))), {},
+        np.zeros((len(attacks), 4), np.int64),
+        (np.zeros(0, np.int32),
+         np.zeros((0, *source.shape), np.uint8 if uint8_images else np.float32)),
+    )
+    ckpt_path = None
+    for directory in (checkpoint_dir, images_dir):
+        if directory is not None:
+            os.makedirs(directory, exist_ok=True)
+    if checkpoint_dir is not None:
+        ckpt_path = os.path.join(checkpoint_dir, "checkpoint.npz")
+        state = _load_checkpoint(ckpt_path, fingerprint_, state)
+        if jax.process_count() > 1:
+            multihost_utils.assert_equal(
+                state.batches_done, f"processes resume from different batches: {ckpt_path} "
+                "must be on a file system that every process shares"
+            )
+
+    total = data_lib.num_batches(n, batch_size)
+    model_checks = None  # they run on this process's rows of the first batch, unsharded params
+    for index in range(state.batches_done, total):
+        bx, batch = _read_batch(run, index, check_classes=index == state.batches_done)
+        if index == 0:
+            model_checks = checks_lib.model_checks(apply_fn, local_params, bx[:8], attacks)
+        counts, outputs, stage_counts = _attack_batch(run, index, bx, batch)
+        x_adv = outputs.pop("x_adv")
+        if uint8_images:
+            x_adv = np.round(x_adv * norms.PIXEL_LEVELS).astype(np.uint8)
+        if images_dir is not None and lead:
+            _save_images(images_dir, index, x_adv, outputs["example_id"])
+        if keep_images:
+            outputs["x_adv"] = x_adv
+        state = _add_batch(state, counts, outputs, stage_counts, x_adv, gallery)
+        if ckpt_path is not None and lead:
+            _save_checkpoint(ckpt_path, fingerprint_, state)
+        if progress is not None:
+            progress(index + 1, total)
+
+    if model_checks is None:  # resumed: the first batch came from the checkpoint
+        first = data_lib.local_batch(source, 0, batch_size, *run.process)
+        model_checks = checks_lib.model_checks(apply_fn, local_params,
+                                               data_lib.to_unit_float(first.x)[:8], attacks)
+    metrics, per_example = _results(run, state, model_checks)
+    ids, x_adv = state.gallery
+    clean = [data_lib.to_unit_float(source.read(int(i), int(i) + 1)[0]) for i in ids]
+    shown = {
+        "example_id": ids, "x_adv": x_adv,
+        "x_clean": np.concatenate(clean) if clean else np.zeros((0, *source.shape), np.float32),
+    }
+    return Evaluation(metrics=metrics, per_example=per_example,
+                      attack_names=tuple(a.name for a in attacks), gallery=shown)
+
+
+class _Run(NamedTuple):
+    """What every batch of one evaluation shares: the model, data, bundle and how it runs."""
+
+    apply_fn: Callable
+    params: Any  # replicated over the mesh, if any
+    source: data_lib.Source
+    attacks: tuple[Attack, ...]
+    n: int
+    batch_size: int
+    seed: int
+    key: jax.Array  # jax.random.key(seed)
+    eps: float
+    norm: str
+    goal_names: tuple[str, ...]
+    judging: str
+    unroll: int | bool
+    restart_mode: str
+    mesh: Mesh | None
+    sharding: NamedSharding | None
+    process: tuple[int, int]  # (this process, process count) feeding the mesh
+    schedule: str
+    schedule_goal: str
+    threshold: float | None
+    budget: float | None
+    focus: dict[str, float]
+    segments: int
+
+
+def _check_options(apply_fn, source, attacks, *, eps, norm, goals, judging, batch_size,
+                   schedule, schedule_goal, focus, segments):
+    """The options of :func:`evaluate_source` checked: ``(attacks, goal names, focus,
+    segments, eps)``."""
     norms.check_norm(norm)
     attacks = check_attacks(attacks, norm)
     check_eot(attacks, apply_fn)
@@ -508,156 +632,107 @@ def evaluate_source(
     if segments > 1 and schedule != "cascade":
         raise ValueError("segments drop satisfied examples within a stage: they need "
                          "schedule='cascade'")
-    n = len(source)
-    if n == 0:
+    if len(source) == 0:
         raise ValueError(f"the dataset {source.name} is empty")
     eps_value = float(eps)
     if not np.isfinite(eps_value) or eps_value < 0:
         raise ValueError(f"eps must be finite and >= 0, got {eps}")
-    if mesh == "auto":
-        mesh = default_mesh()
-    if mesh is None:
-        batch_size = min(batch_size, n)
-    fingerprint_ = None if checkpoint_dir is None else fingerprint(  # hashes params and data
-        attacks=[describe(a) for a in attacks], eps=eps_value, norm=norm,
-        goals=list(goal_names), seed=seed, batch_size=batch_size, judging=judging,
-        schedule=([schedule, schedule_goal, threshold, budget, sorted(focus.items()), segments]
-                  if schedule != "full" else "full"),
-        data=source.describe(), n=n, model=params_digest(params), images=keep_images,
-        apply_fn=describe(apply_fn),
+    return attacks, goal_names, focus, segments, eps_value
+
+
+def _read_batch(run: _Run, index: int, check_classes: bool) -> tuple[np.ndarray, data_lib.Batch]:
+    """This process's rows of batch ``index`` as floats in [0, 1], checked (and, with
+    ``check_classes``, the model's class count against the data's)."""
+    batch = data_lib.local_batch(run.source, index, run.batch_size, *run.process)
+    bx = data_lib.to_unit_float(batch.x)
+    classes = check_inputs(run.apply_fn, run.params, bx, batch.y, run.eps, judging=run.judging)
+    if check_classes and run.source.num_classes not in (None, classes):
+        raise ValueError(
+            f"the model has {classes} outputs but the data {run.source.name} has "
+            f"{run.source.num_classes} classes"
+        )
+    return bx, batch
+
+
+def _attack_batch(run: _Run, index: int, bx: np.ndarray, batch: data_lib.Batch):
+    """Batch ``index`` attacked by the full bundle or the cascade: its counts (numpy), its
+    per-example outputs on the real rows (numpy) and each stage's spending ``[A, 4]``."""
+    arrays = (bx, batch.y.astype(np.int32), batch.example_id, batch.mask)
+    if run.sharding is not None:
+        arrays = tuple(
+            jax.make_array_from_process_local_data(run.sharding, a, (run.batch_size, *a.shape[1:]))
+            for a in arrays
+        )
+    real = np.arange(index * run.batch_size, (index + 1) * run.batch_size) < run.n
+    eps = jnp.float32(run.eps)
+    stage_counts = np.zeros((len(run.attacks), 4), np.int64)
+    if run.schedule == "full":
+        counts, outputs = _evaluate_batch(
+            run.params, *arrays[:2], run.key, *arrays[2:], eps, apply_fn=run.apply_fn,
+            attacks=run.attacks, goal_names=run.goal_names, norm=run.norm, judging=run.judging,
+            unroll=run.unroll, restart_mode=run.restart_mode, mesh=run.mesh,
+        )
+    else:
+        result, stages = schedule_lib.cascade(
+            run.attacks, run.apply_fn, run.params, arrays[0], arrays[1], run.key, arrays[2],
+            eps, norm=run.norm, goal_names=run.goal_names, judging=run.judging, mask=real,
+            goal=run.schedule_goal, threshold=run.threshold, budget=run.budget,
+            focus=run.focus, unroll=run.unroll, restart_mode=run.restart_mode, mesh=run.mesh,
+            segments=run.segments,
+        )
+        stage_counts = np.asarray([s[1:] for s in stages], np.int64)
+        counts, outputs = _summarise(result, run.params, *arrays, eps, attacks=run.attacks,
+                                     mesh=run.mesh, apply_fn=run.apply_fn)
+    # Every output is replicated: each process reads its own full copy.
+    outputs = {k: np.asarray(v)[real] for k, v in outputs.items()}
+    return jax.tree.map(np.asarray, counts), outputs, stage_counts
+
+
+def _add_batch(state: _State, counts: Counts, outputs: dict[str, np.ndarray],
+               stage_counts: np.ndarray, x_adv: np.ndarray, gallery: int) -> _State:
+    """The state after one more batch: counts summed, outputs appended, the gallery filled
+    up to ``gallery`` fooled examples."""
+    shown = _fooled(outputs)[: gallery - len(state.gallery[0])]
+    return _State(
+        state.batches_done + 1,
+        state.counts.merge(counts),
+        {k: state.chunks.get(k, []) + [v] for k, v in outputs.items()},
+        state.stages + stage_counts,
+        (np.concatenate([state.gallery[0], outputs["example_id"][shown]]),
+         np.concatenate([state.gallery[1], x_adv[shown]]) if shown.size else state.gallery[1]),
     )
-    local_params, model_checks = params, None  # the model checks run on the first batch
-    sharding = None
-    if mesh is not None:
-        devices = mesh.devices.size
-        if batch_size % devices:
-            raise ValueError(f"batch_size {batch_size} must be a multiple of {devices} devices")
-        sharding = NamedSharding(mesh, PartitionSpec("batch"))
-        _local_rows_match(sharding, batch_size, source.shape)
-        params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
 
-    total = data_lib.num_batches(n, batch_size)
-    key = jax.random.key(seed)
-    names = tuple(a.name for a in attacks)
-    black_box = tuple(a.black_box for a in attacks)
-    uint8_images = _stored_on_grid(source, judging)
-    lead = jax.process_index() == 0
-    # Host-side state only (numpy): counts are summed here, never by eager ops on global arrays.
-    state = _State(
-        0, jax.tree.map(np.asarray, Counts.empty(len(attacks))), {},
-        np.zeros((len(attacks), 4), np.int64), (np.zeros(0, np.int32), np.zeros((0, *source.shape), np.uint8 if uint8_images else np.float32)),
-    )
-    ckpt_path = None
-    for directory in (checkpoint_dir, images_dir):
-        if directory is not None:
-            os.makedirs(directory, exist_ok=True)
-    if checkpoint_dir is not None:
-        ckpt_path = os.path.join(checkpoint_dir, "checkpoint.npz")
-        state = _load_checkpoint(ckpt_path, fingerprint_, state)
-        if jax.process_count() > 1:
-            multihost_utils.assert_equal(
-                state.batches_done, f"processes resume from different batches: {ckpt_path} "
-                "must be on a file system that every process shares"
-            )
 
-    checked_classes = False
-    process = (jax.process_index(), jax.process_count()) if mesh is not None else (0, 1)
-    for index in range(state.batches_done, total):
-        batch = data_lib.local_batch(source, index, batch_size, *process)
-        bx = data_lib.to_unit_float(batch.x)
-        if index == 0:  # on this process's rows of the first batch, unsharded parameters
-            model_checks = checks_lib.model_checks(apply_fn, local_params, bx[:8], attacks)
-        classes = check_inputs(apply_fn, params, bx, batch.y, eps_value, judging=judging)
-        if not checked_classes and source.num_classes not in (None, classes):
-            raise ValueError(
-                f"the model has {classes} outputs but the data {source.name} has "
-                f"{source.num_classes} classes"
-            )
-        checked_classes = True
-        arrays = (bx, batch.y.astype(np.int32), batch.example_id, batch.mask)
-        if sharding is not None:
-            arrays = tuple(
-                jax.make_array_from_process_local_data(sharding, a, (batch_size, *a.shape[1:]))
-                for a in arrays
-            )
-        real = np.arange(index * batch_size, (index + 1) * batch_size) < n
-        stage_counts = np.zeros((len(attacks), 4), np.int64)
-        if schedule == "full":
-            batch_counts, outputs = _evaluate_batch(
-                params, *arrays[:2], key, *arrays[2:], jnp.float32(eps_value),
-                apply_fn=apply_fn, attacks=attacks, goal_names=goal_names, norm=norm,
-                judging=judging, unroll=unroll, restart_mode=restart_mode, mesh=mesh,
-            )
-        else:
-            result, stages = schedule_lib.cascade(
-                attacks, apply_fn, params, arrays[0], arrays[1], key, arrays[2],
-                jnp.float32(eps_value), norm=norm, goal_names=goal_names, judging=judging,
-                mask=real, goal=schedule_goal, threshold=threshold, budget=budget,
-                focus=focus, unroll=unroll, restart_mode=restart_mode, mesh=mesh,
-                segments=segments,
-            )
-            stage_counts = np.asarray([s[1:] for s in stages], np.int64)
-            batch_counts, outputs = _summarise(
-                result, params, *arrays, jnp.float32(eps_value), attacks=attacks, mesh=mesh,
-                apply_fn=apply_fn,
-            )
-        # Every output is replicated: each process reads its own full copy.
-        counts = state.counts.merge(jax.tree.map(np.asarray, batch_counts))
-        outputs = {k: np.asarray(v)[real] for k, v in outputs.items()}
-        x_adv = outputs.pop("x_adv")
-        if uint8_images:
-            x_adv = np.round(x_adv * norms.PIXEL_LEVELS).astype(np.uint8)
-        if images_dir is not None and lead:
-            _save_images(images_dir, index, x_adv, outputs["example_id"])
-        if keep_images:
-            outputs["x_adv"] = x_adv
-        chunks = {k: state.chunks.get(k, []) + [v] for k, v in outputs.items()}
-        shown = _fooled(outputs)[: gallery - len(state.gallery[0])]
-        state = _State(index + 1, counts, chunks, state.stages + stage_counts, (
-            np.concatenate([state.gallery[0], outputs["example_id"][shown]]),
-            np.concatenate([state.gallery[1], x_adv[shown]]) if shown.size else state.gallery[1],
-        ))
-        if ckpt_path is not None and lead:
-            _save_checkpoint(ckpt_path, fingerprint_, state)
-        if progress is not None:
-            progress(index + 1, total)
-
+def _results(run: _Run, state: _State, model_checks: Any) -> tuple[dict, dict]:
+    """The figures and per-example arrays of a finished evaluation."""
+    attacks, n = run.attacks, run.n
     per_example = {k: np.concatenate(v) for k, v in state.chunks.items()}
     per_example.pop("example_id")
-    metrics = state.counts.compute(names, black_box)
-    metrics.update(eps=eps_value, norm=norm, seed=seed, goals=list(goal_names))
+    metrics = state.counts.compute([a.name for a in attacks], [a.black_box for a in attacks])
+    metrics.update(eps=run.eps, norm=run.norm, seed=run.seed, goals=list(run.goal_names))
     on_grid = metrics.pop("grid_judged")
     metrics["judging"] = {
-        "mode": judging,
+        "mode": run.judging,
         "grid_examples": on_grid,
         "float_examples": n - on_grid,
-        "grid_radius": norms.grid_radius(eps_value, norm),
-        "statement": judge.statement(judging, eps_value, norm, on_grid, n),
+        "grid_radius": norms.grid_radius(run.eps, run.norm),
+        "statement": judge.statement(run.judging, run.eps, run.norm, on_grid, n),
     }
-    metrics["data"] = {"name": source.name, "n": n}
+    metrics["data"] = {"name": run.source.name, "n": n}
     per_example["check_flags"] = checks_lib.example_flags(per_example, attacks)
-    if model_checks is None:  # resumed: the first batch came from the checkpoint
-        first = data_lib.local_batch(source, 0, batch_size, *process)
-        model_checks = checks_lib.model_checks(apply_fn, local_params,
-                                               data_lib.to_unit_float(first.x)[:8], attacks)
     metrics["checks"] = checks_lib.summarise(
         model_checks, per_example["check_flags"], attacks,
         int(np.sum(per_example["clean_prediction"] == per_example["label"])),
     )
     metrics["check_flag_names"] = list(checks_lib.FLAG_NAMES)
-    if is_stochastic(apply_fn):
-        metrics["stochastic"] = stochastic_metrics(apply_fn, attacks, per_example)
-    metrics.update(curve_metrics(per_example, attacks, norm))
-    metrics["schedule"] = {"mode": schedule}
-    if schedule == "cascade":
+    if is_stochastic(run.apply_fn):
+        metrics["stochastic"] = stochastic_metrics(run.apply_fn, attacks, per_example)
+    per_example.update(kind_distortions(per_example, attacks))
+    metrics.update(curve_metrics(per_example, attacks, run.norm))
+    metrics["schedule"] = {"mode": run.schedule}
+    if run.schedule == "cascade":
         metrics.update(_cascade_metrics(
-            metrics, per_example, attacks, state.stages, schedule_goal, threshold, budget,
-            focus, segments,
+            metrics, per_example, attacks, state.stages, run.schedule_goal, run.threshold,
+            run.budget, run.focus, run.segments,
         ))
-    ids, x_adv = state.gallery
-    clean = [data_lib.to_unit_float(source.read(int(i), int(i) + 1)[0]) for i in ids]
-    shown = {
-        "example_id": ids, "x_adv": x_adv,
-        "x_clean": np.concatenate(clean) if clean else np.zeros((0, *source.shape), np.float32),
-    }
-    return Evaluation(metrics=metrics, per_example=per_example, attack_names=names, gallery=shown)
+    return metrics, per_example

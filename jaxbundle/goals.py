@@ -1,9 +1,12 @@
 """Goals (criteria): which of two adversarial candidates is better, per example.
 
-A candidate is summarised by a :class:`Score`. A goal is a pure function
-``take(best, candidate, eps) -> bool[B]`` that says, per example, whether the candidate
-replaces the best one so far. Goals hold no state; one bundle run can track several goals,
-each with its own best candidate, from the same stream of candidates.
+A candidate is summarised by a :class:`Score`. A goal is a :class:`Goal` record: its pure
+``take(best, candidate, eps) -> bool[B]`` says, per example, whether the candidate replaces the
+best one so far, and its other fields say whether it is bound by eps, what it needs scored,
+when the attacker may stop and what per-example arrays the report keeps. The bundler, judge,
+schedule and evaluator read only these fields, never a goal's name. Goals hold no state; one
+bundle run can track several goals, each with its own best candidate, from the same stream of
+candidates. A new goal is one more record in :data:`GOALS`.
 
 Goals (``eps`` is the threat model's radius, per example):
 
@@ -33,6 +36,7 @@ from jaxbundle import losses, norms
 
 __all__ = [
     "Score",
+    "Goal",
     "score",
     "within",
     "misclassify",
@@ -78,7 +82,7 @@ def score(
     else:
         prediction = jnp.full(y.shape, -1, jnp.int32)
         misclassified = margin > 0
-    if goals is None or "max_confidence" in goals:
+    if goals is None or any(GOALS[g].needs_confidence for g in goals):
         confidence = losses.wrong_class_confidence(logits, y)
     else:
         confidence = jnp.zeros(y.shape, jnp.float32)
@@ -93,23 +97,23 @@ def score(
 
 
 def within(s: Score, eps: jax.Array) -> jax.Array:
-    """Whether the candidate lies inside the eps ball (with float32 slack)."""
-    return s.distortion <= eps * (1 + norms.BALL_RTOL) + norms.BALL_ATOL
+    """Whether the candidate lies inside the eps ball (:func:`jaxbundle.norms.ball_limit`)."""
+    return s.distortion <= norms.ball_limit(eps)
 
 
-def misclassify(best: Score, cand: Score, eps: jax.Array) -> jax.Array:
+def _take_misclassify(best: Score, cand: Score, eps: jax.Array) -> jax.Array:
     ok = within(cand, eps)
     better = (cand.rate > best.rate) | ((cand.rate == best.rate) & (cand.margin > best.margin))
     return ok & (~within(best, eps) | better)
 
 
-def max_confidence(best: Score, cand: Score, eps: jax.Array) -> jax.Array:
+def _take_max_confidence(best: Score, cand: Score, eps: jax.Array) -> jax.Array:
     best_ok = within(best, eps)
     ok = within(cand, eps)
     return ok & (~best_ok | (cand.confidence > best.confidence))
 
 
-def min_norm(best: Score, cand: Score, eps: jax.Array) -> jax.Array:
+def _take_min_norm(best: Score, cand: Score, eps: jax.Array) -> jax.Array:
     del eps
     smaller = cand.distortion < best.distortion
     first = cand.misclassified & ~best.misclassified
@@ -118,18 +122,76 @@ def min_norm(best: Score, cand: Score, eps: jax.Array) -> jax.Array:
     return first | better | closer
 
 
-GOALS: dict[str, Callable[[Score, Score, jax.Array], jax.Array]] = {
-    "misclassify": misclassify,
-    "max_confidence": max_confidence,
-    "min_norm": min_norm,
-}
+class Goal(NamedTuple):
+    """Everything the library knows about one goal; every module reads it from :data:`GOALS`.
+
+    * ``take(best, candidate, eps) -> bool [B]``: whether the candidate replaces the best;
+    * ``bounded``: a success must lie inside the eps ball (judging then rounds into the ball
+      and rejects what leaves it); unbounded (min-norm) goals keep any misclassified image;
+    * ``needs_confidence``: the per-step fold must score the wrong-class confidence;
+    * ``satisfied(score, eps, threshold) -> bool [B]``: the attacker may stop spending on the
+      example (the cascade schedule); ``None`` where it never may (a smaller distortion is
+      always better);
+    * ``promise(score) -> [B]``: how close an unsatisfied example is (larger is closer);
+    * ``per_example(score, eps) -> dict``: the per-example arrays the report keeps.
+    """
+
+    name: str
+    take: Callable[[Score, Score, jax.Array], jax.Array]
+    bounded: bool
+    needs_confidence: bool
+    satisfied: Callable[[Score, jax.Array, float | None], jax.Array] | None
+    promise: Callable[[Score], jax.Array] | None
+    per_example: Callable[[Score, jax.Array], dict[str, jax.Array]]
+
+
+def _bounded_success(s: Score, eps: jax.Array) -> jax.Array:
+    return s.misclassified & within(s, eps)
+
+
+misclassify = Goal(
+    name="misclassify",
+    take=_take_misclassify,
+    bounded=True,
+    needs_confidence=False,
+    satisfied=lambda s, eps, threshold: _bounded_success(s, eps),
+    promise=lambda s: s.margin,
+    per_example=lambda s, eps: {
+        "adversarial_prediction": s.prediction,
+        "success": _bounded_success(s, eps),
+        "distortion": s.distortion,
+    },
+)
+max_confidence = Goal(
+    name="max_confidence",
+    take=_take_max_confidence,
+    bounded=True,
+    needs_confidence=True,
+    satisfied=lambda s, eps, threshold: _bounded_success(s, eps) & (s.confidence >= threshold),
+    promise=lambda s: s.confidence,
+    per_example=lambda s, eps: {
+        "max_wrong_confidence": jnp.where(within(s, eps), s.confidence, 0.0)
+    },
+)
+min_norm = Goal(
+    name="min_norm",
+    take=_take_min_norm,
+    bounded=False,
+    needs_confidence=False,
+    satisfied=None,
+    promise=None,
+    per_example=lambda s, eps: {
+        "min_distortion": jnp.where(s.misclassified, s.distortion, jnp.inf)
+    },
+)
+
+GOALS: dict[str, Goal] = {g.name: g for g in (misclassify, max_confidence, min_norm)}
 
 
 def success(goal: str, s: Score, eps: jax.Array) -> jax.Array:
-    """Whether a best candidate counts as a successful attack for ``goal`` (``[B]`` bool)."""
-    if goal == "min_norm":
-        return s.misclassified
-    return s.misclassified & within(s, eps)
+    """Whether a best candidate counts as a successful attack for ``goal`` (``[B]`` bool):
+    misclassified, and inside the eps ball when the goal is bounded."""
+    return _bounded_success(s, eps) if GOALS[goal].bounded else s.misclassified
 
 
 def check_goals(goals: tuple[str, ...] | list[str] | str) -> tuple[str, ...]:

@@ -159,7 +159,8 @@ def verify(
     calls (:func:`judged_score`), which are then the only authority: the attack's own view of
     its candidate is one noisy draw.
     """
-    if goal != "min_norm":
+    bounded = goals_lib.GOALS[goal].bounded
+    if bounded:
         rounded = norms.quantize(best.x, x0, eps, norm)
     else:
         rounded = quantize_min_norm(model, best.x, x0, y, best.score.misclassified, stretch)
@@ -167,7 +168,7 @@ def verify(
     s, finite = judged_score(model, x, x0, y, norm)
     flat = x.reshape(x.shape[0], -1)
     valid = jnp.all((flat >= 0.0) & (flat <= 1.0), axis=1) & finite
-    if goal != "min_norm":
+    if bounded:
         valid &= goals_lib.within(s, eps)
     # An invalid image must never win a fold for any goal: worst possible score.
     invalid = goals_lib.Score(

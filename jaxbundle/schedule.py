@@ -112,12 +112,10 @@ def satisfied(
     threshold: float | None = None,
 ) -> jax.Array:
     """Per example: whether ``goal`` needs nothing more (see the module docstring)."""
-    if goal == "misclassify":
-        return goals_lib.success("misclassify", best["misclassify"].score, eps)
-    if goal == "max_confidence":
-        s = best["max_confidence"].score
-        return goals_lib.success("max_confidence", s, eps) & (s.confidence >= threshold)
-    return jnp.zeros(eps.shape, bool)  # min_norm: a smaller distortion is always better
+    done = goals_lib.GOALS[goal].satisfied
+    if done is None:  # e.g. min_norm: a smaller distortion is always better
+        return jnp.zeros(eps.shape, bool)
+    return done(best[goal].score, eps, threshold)
 
 
 @functools.partial(jax.jit, static_argnames=("apply_fn", "goal_names", "norm", "judging"))
@@ -132,10 +130,9 @@ def _start(params, x, y, key, example_id, eps, *, apply_fn, goal_names, norm, ju
 def promise(best: dict[str, BestState], goal: str = "misclassify") -> jax.Array:
     """Per example: how close its best candidate is to satisfying ``goal`` (larger is closer):
     the margin for misclassify, the wrong-class confidence for max confidence."""
-    if goal == "misclassify":
-        return best["misclassify"].score.margin
-    if goal == "max_confidence":
-        return best["max_confidence"].score.confidence
+    promise_of = goals_lib.GOALS[goal].promise
+    if promise_of is not None:
+        return promise_of(best[goal].score)
     raise ValueError(f"goal {goal!r} is never satisfied, so no survivor is more promising")
 
 
@@ -193,9 +190,10 @@ def check_focus(focus: dict[str, float] | None, attacks: Sequence[Attack], goal:
             raise ValueError(f"focus names attack {name!r}, which is not in the bundle {names}")
         if isinstance(fraction, bool) or not 0 < fraction <= 1:
             raise ValueError(f"focus of {name!r} must be a fraction in (0, 1], got {fraction!r}")
-    if focus and goal == "min_norm":
-        raise ValueError("focus needs a goal that can be satisfied (misclassify or "
-                         "max_confidence), not min_norm")
+    if focus and goals_lib.GOALS[goal].satisfied is None:
+        can = [g.name for g in goals_lib.GOALS.values() if g.satisfied is not None]
+        raise ValueError(f"focus needs a goal that can be satisfied ({' or '.join(can)}), "
+                         f"not {goal}")
     return focus
 
 
@@ -405,8 +403,10 @@ def cascade(
             stages.append(Stage(k, 0, 0, 0, 0))
             continue
         args = (b, attack, k, order, best, success[k], distortion[k], best_step[k], improving[k])
-        # A minimum-norm attack is never done (a smaller distortion is always better).
-        if segments > 1 and attack.num_steps >= segments and "min_norm" not in (goal, attack.goal):
+        # An attack whose goal is never satisfied (min-norm: a smaller distortion is always
+        # better) is never done early, so it runs whole.
+        never_done = any(goals_lib.GOALS[g].satisfied is None for g in (goal, attack.goal))
+        if segments > 1 and attack.num_steps >= segments and not never_done:
             out = _segmented_stage(*args, segments)
         else:
             out = _whole_stage(*args)

@@ -201,7 +201,7 @@ def test_per_example_eps_and_batch_invariance():
         (lambda x, y, e: (x + 0.6, y, e), r"\[0, 1\]"),
         (lambda x, y, e: (x, y.astype(np.float32), e), "integers"),
         (lambda x, y, e: (x, y + 7, e), r"labels must lie in \[0, 4\)"),
-        (lambda x, y, e: (x, y[:-1], e), "shape"),
+        (lambda x, y, e: (x, y[:-1], e), "length mismatch: 8 images but 7 labels"),
         (lambda x, y, e: (x, y, -0.1), "eps"),
         (lambda x, y, e: (x, y, float("nan")), "eps"),
     ],
@@ -224,6 +224,9 @@ def test_bundle_configuration_errors():
         run([attacks.fgsm("l2")])
     with pytest.raises(ValueError, match="unknown goal"):
         run([attacks.fgsm()], goals=("fastest",))
+    # A step size or checkpoint schedule built for 10 steps must not silently run 20.
+    with pytest.raises(ValueError, match="runs 20 steps but its config is built for 10"):
+        run([attacks.pgd(steps=10)._replace(num_steps=20)])
     with pytest.raises(ValueError, match="logits"):
         bundle([attacks.fgsm()], lambda p, x: x.reshape(-1), params, images(x), jnp.asarray(y), KEY, eps=0.1)
 
@@ -265,7 +268,7 @@ def test_input_check_traces_the_model_once_per_model_and_shapes():
     assert traces == [(6, 20)]
     three = {"w": params["w"][:, :3], "b": params["b"][:3]}
     assert check_inputs(counting_apply, three, x, np.minimum(y, 2), 0.1) == 3
-    with pytest.raises(ValueError, match="3-class"):
+    with pytest.raises(ValueError, match=r"\[0, 3\) for 3 classes"):
         check_inputs(counting_apply, three, x, np.full_like(y, 3), 0.1)
     assert check_inputs(counting_apply, params, x[:2], y[:2], 0.1) == 4
     assert traces == [(6, 20), (6, 20), (2, 20)]

@@ -27,7 +27,8 @@ from toys import (
     run_processes,
 )
 
-ATTACKS = [attacks.fgsm(), attacks.pgd(steps=4, restarts=2)]
+# Two white-box attacks and a black-box one (the white-box/black-box figures and the mesh runs).
+ATTACKS = [attacks.fgsm(), attacks.pgd(steps=4, restarts=2), attacks.square("linf", queries=30)]
 
 
 @pytest.fixture(scope="module")
@@ -70,6 +71,16 @@ def test_metrics_match_the_per_example_arrays(problem):
     fooled = pe["success"]
     np.testing.assert_array_equal(pe["adversarial_prediction"][fooled] != pe["label"][fooled], True)
     assert np.all(pe["distortion"][fooled] <= problem[3] + 1e-6)
+    # The white-box and black-box bundles, and the examples only a black-box attack fooled.
+    black = np.asarray([a.black_box for a in ATTACKS])
+    by_white = pe["attack_success"][:, ~black].any(axis=1)
+    by_black = pe["attack_success"][:, black].any(axis=1)
+    m = ev.metrics
+    assert m["white_box_robust_accuracy"] == pytest.approx(100 * (clean_ok & ~by_white).mean())
+    assert m["black_box_robust_accuracy"] == pytest.approx(100 * (clean_ok & ~by_black).mean())
+    assert m["black_box_robust_accuracy"] < m["clean_accuracy"], "square must fool some"
+    np.testing.assert_array_equal(pe["black_box_only"], by_black & ~by_white)
+    assert m["black_box_only"] == int(np.sum(clean_ok & by_black & ~by_white))
 
 
 def test_checkpoint_resume_is_bit_identical(problem, tmp_path):
@@ -120,7 +131,8 @@ def _worker_script(problem, tmp_path, setup: str, checkpoint: bool = False) -> s
                 return super().read(start, stop)
 
         ev = evaluate_source(linear_apply, params, Recording(d["x"], d["y"]),
-                             [attacks.fgsm(), attacks.pgd(steps=4, restarts=2)],
+                             [attacks.fgsm(), attacks.pgd(steps=4, restarts=2),
+                              attacks.square("linf", queries=30)],
                              eps=float(d["eps"]), seed=3, batch_size=16, mesh="auto",
                              checkpoint_dir={ckpt}, keep_images=True)
         np.savez(r"{tmp_path}" + f"/out{{tag}}.npz", **ev.per_example)
@@ -201,7 +213,7 @@ def test_merging_batches_equals_one_pass(problem):
     whole = Counts.from_result(
         bundle(ATTACKS, linear_apply, params, x, y, key, eps=eps, example_id=ids), mask, eps
     )
-    parts = Counts.empty(2)
+    parts = Counts.empty(len(ATTACKS))
     for lo, hi in [(0, 10), (10, 11), (11, 37)]:
         r = bundle(ATTACKS, linear_apply, params, x[lo:hi], y[lo:hi], key, eps=eps, example_id=ids[lo:hi])
         parts = parts.merge(Counts.from_result(r, mask[lo:hi], eps))

@@ -229,7 +229,7 @@ def test_misclassify_ignores_candidates_outside_eps(s):
 def test_max_confidence_matches_reference_and_is_monotone(s):
     cols = np.arange(s.b)
     history = run("max_confidence", s)
-    prev_conf = None
+    prev_conf = prev_inside = None
     for t, best in enumerate(history):
         idx = winners(best)
         inside = s.ok[idx, cols]
@@ -400,3 +400,40 @@ def test_check_goals():
 def test_check_goals_rejects_unknown(bad):
     with pytest.raises(ValueError, match="unknown goal"):
         goals.check_goals(bad)
+
+
+def test_a_new_goal_is_one_record(monkeypatch):
+    """A goal registered in GOALS alone is tracked, judged in the ball, and reported: nothing
+    else in the library names it. "min_margin_win" keeps the misclassified candidate within
+    eps of smallest margin (an adversarial example closest to the boundary)."""
+    from jaxbundle import attacks
+    from jaxbundle.evaluate import evaluate
+    from toys import images, linear_apply, linear_problem, min_distance
+
+    def take(best, cand, eps):
+        ok = cand.misclassified & goals.within(cand, eps)
+        return ok & (~(best.misclassified & goals.within(best, eps)) | (cand.margin < best.margin))
+
+    record = goals.Goal(
+        name="min_margin_win", take=take, bounded=True, needs_confidence=False,
+        satisfied=None, promise=None,
+        per_example=lambda s, eps: {"smallest_winning_margin": jnp.where(
+            s.misclassified & goals.within(s, eps), s.margin, jnp.inf)},
+    )
+    monkeypatch.setitem(goals.GOALS, record.name, record)
+    params, x, y = linear_problem(n=12, k=3, seed=4)
+    eps = float(np.quantile(min_distance(params, x, y, "linf"), 0.7))
+    ev = evaluate(linear_apply, params, images(x), y, [attacks.pgd(steps=6, restarts=2)],
+                  eps=eps, goals=("misclassify", "min_margin_win"), mesh=None, seed=0)
+    pe = ev.per_example
+    win = pe["smallest_winning_margin"]
+    fooled = pe["success"].astype(bool)
+    assert fooled.any() and not fooled.all()
+    # Exactly the fooled examples have a finite, positive winning margin, never above the one
+    # the misclassify goal kept (the largest margin within eps).
+    np.testing.assert_array_equal(np.isfinite(win), fooled)
+    assert np.all(win[fooled] > 0)
+    logits = np.asarray(linear_apply(params, jnp.asarray(pe["x_adv"].reshape(12, -1))))
+    top = np.sort(logits, axis=1)
+    largest = np.where(logits.argmax(1) != y, top[:, -1] - logits[np.arange(12), y], -np.inf)
+    assert np.all(win[fooled] <= largest[fooled] + 1e-5)

@@ -23,7 +23,8 @@ from __future__ import annotations
 import numpy as np
 
 from jaxbundle.data.batching import Batch, batches, num_batches
-from jaxbundle.data.images import check_n, to_unit_float, translate, validate_images
+from jaxbundle.data.images import (check_labels, check_n, check_pixels, to_unit_float, translate,
+                                   validate_images)
 from jaxbundle.data.sample import load_mnist_sample, sample_source
 from jaxbundle.data.source import (
     SOURCE_FORMS,
@@ -52,6 +53,8 @@ __all__ = [
     "to_unit_float",
     "translate",
     "validate_images",
+    "check_pixels",
+    "check_labels",
 ]
 
 

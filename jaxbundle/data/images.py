@@ -2,9 +2,43 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["check_n", "to_unit_float", "translate", "validate_images"]
+__all__ = ["check_labels", "check_n", "check_pixels", "to_unit_float", "translate",
+           "validate_images"]
+
+
+def check_pixels(x) -> None:
+    """Checks that images (numpy or jax, any shape) are floating point, finite and in [0, 1].
+
+    Raises ``ValueError`` naming the first problem; shared by the datasets and the bundler.
+    """
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ValueError(f"images must have a floating dtype with pixels in [0, 1], got dtype "
+                         f"{x.dtype} (divide uint8 images by 255)")
+    xh = np.asarray(x)
+    finite = np.isfinite(xh)
+    if not finite.all():
+        raise ValueError(f"images contain {int(xh.size - np.count_nonzero(finite))} non-finite "
+                         "values (NaN or inf)")
+    lo, hi = float(xh.min()), float(xh.max())
+    if lo < 0.0 or hi > 1.0:
+        raise ValueError(f"pixels must lie in [0, 1], found min {lo} and max {hi}")
+
+
+def check_labels(y, n: int, num_classes: int) -> None:
+    """Checks that labels are 1-D integers, ``n`` of them, in ``[0, num_classes)``."""
+    y = np.asarray(y)
+    if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
+        raise ValueError(f"labels must be 1-D integers, got shape {y.shape} dtype {y.dtype}")
+    if len(y) != n:
+        raise ValueError(f"length mismatch: {n} images but {len(y)} labels")
+    values = np.unique(y[(y < 0) | (y >= num_classes)])
+    if values.size:
+        more = f" (and {len(values) - 10} more)" if len(values) > 10 else ""
+        raise ValueError(f"labels must lie in [0, {num_classes}) for {num_classes} classes, "
+                         f"found out-of-range values {values[:10].tolist()}{more}")
 
 
 def validate_images(x: np.ndarray, y: np.ndarray, num_classes: int) -> None:
@@ -16,46 +50,21 @@ def validate_images(x: np.ndarray, y: np.ndarray, num_classes: int) -> None:
         num_classes: number of classes.
 
     Raises:
-        ValueError: naming the first problem found: ``x`` not 4-D, not
-            floating point, empty, containing NaN/inf, or outside [0, 1];
-            ``y`` not a 1-D integer array, of a different length than ``x``, or
-            holding labels outside [0, num_classes).
+        ValueError: naming the first problem found: ``x`` not 4-D, empty, or failing
+            :func:`check_pixels`; ``num_classes`` not a positive int; ``y`` failing
+            :func:`check_labels`.
     """
     x = np.asarray(x)
-    y = np.asarray(y)
     if x.ndim != 4:
         raise ValueError(f"images must be 4-D [N, H, W, C], got shape {x.shape}")
-    if not np.issubdtype(x.dtype, np.floating):
-        raise ValueError(
-            f"images must have a floating dtype with pixels in [0, 1], got dtype {x.dtype}"
-        )
     if x.shape[0] == 0:
         raise ValueError("empty dataset: images have 0 examples")
-    if not np.all(np.isfinite(x)):
-        bad = int(np.size(x) - np.count_nonzero(np.isfinite(x)))
-        raise ValueError(f"images contain {bad} non-finite values (NaN or inf)")
-    lo, hi = float(x.min()), float(x.max())
-    if lo < 0.0 or hi > 1.0:
-        raise ValueError(f"pixels must lie in [0, 1], found min {lo} and max {hi}")
-    if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
-        raise ValueError(
-            f"labels must be a 1-D integer array, got shape {y.shape} dtype {y.dtype}"
-        )
-    if len(y) != len(x):
-        raise ValueError(f"length mismatch: {len(x)} images but {len(y)} labels")
+    check_pixels(x)
     if isinstance(num_classes, bool) or not isinstance(num_classes, (int, np.integer)):
         raise ValueError(f"num_classes must be a positive int, got {num_classes!r}")
     if num_classes < 1:
         raise ValueError(f"num_classes must be a positive int, got {num_classes}")
-    out_of_range = (y < 0) | (y >= num_classes)
-    if np.any(out_of_range):
-        values = np.unique(y[out_of_range])
-        shown = values[:10].tolist()
-        more = f" (and {len(values) - 10} more)" if len(values) > 10 else ""
-        raise ValueError(
-            f"labels must lie in [0, {num_classes}), found out-of-range values "
-            f"{shown}{more}"
-        )
+    check_labels(y, len(x), num_classes)
 
 
 def check_n(n: int | None, available: int | None, what: str) -> int | None:
