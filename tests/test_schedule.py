@@ -28,7 +28,7 @@ def _bundles(norm):
     pgd = attacks_lib.pgd(norm=norm, steps=5, restarts=2)
     return [
         (attacks_lib.fgsm(norm=norm), pgd),
-        (attacks_lib.fgsm(norm=norm), pgd.rename("pgd-b"), suites.attack("square", norm, steps=40)),
+        (attacks_lib.fgsm(norm=norm), pgd.rename("pgd-b"), attacks_lib.square(norm, queries=41)),
         (suites.attack("fmn", norm, steps=10), attacks_lib.fgsm(norm=norm)),
     ]
 
@@ -287,7 +287,7 @@ def test_cascade_equals_full_on_trained_cnns(model):
 
         apply_fn, eps = Net().apply, 0.05
         params = Net().init(jax.random.key(0), test.x[:1])
-    atts = (attacks_lib.fgsm(), attacks_lib.pgd(steps=10), suites.attack("square", "linf", steps=50))
+    atts = (attacks_lib.fgsm(), attacks_lib.pgd(steps=10), attacks_lib.square("linf", queries=51))
     runs = {
         schedule: evaluate(apply_fn, params, test.x, test.y, atts, eps=eps, batch_size=24,
                            mesh=None, goals=("misclassify",), schedule=schedule)

@@ -64,14 +64,14 @@ CATALOGUE: tuple[AttackInfo, ...] = (
         "pgd",
         ("linf", "l2"),
         "white-box",
-        "misclassify, max_confidence",
+        "misclassify",
         "Madry et al. 2018, Towards Deep Learning Models Resistant to Adversarial Attacks",
     ),
     AttackInfo(
         "apgd",
         ("linf", "l2"),
         "white-box",
-        "misclassify, max_confidence",
+        "misclassify",
         "Croce & Hein 2020, Reliable Evaluation of Adversarial Robustness with an Ensemble of "
         "Diverse Parameter-free Attacks (APGD-CE, APGD-DLR, APGD-T)",
     ),

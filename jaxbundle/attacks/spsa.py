@@ -54,7 +54,6 @@ __all__ = ["SPSAConfig", "SPSAState", "rademacher", "spsa_gradient", "init", "st
 
 class SPSAConfig(NamedTuple):
     norm: str  # "linf" (the only norm of the paper)
-    num_steps: int  # Adam steps
     samples: int  # probes per step, an even number: samples / 2 antithetic pairs
     delta: float  # finite-difference radius
     learning_rate: float  # Adam step size
@@ -155,7 +154,7 @@ def spsa(
         gradients_per_step=0,
         init=init,
         step=step,
-        config=SPSAConfig(norm, steps, samples, float(delta), float(learning_rate)),
+        config=SPSAConfig(norm, samples, float(delta), float(learning_rate)),
         init_queries=0,
         queries_per_step=samples + 1,
     )

@@ -297,34 +297,40 @@ def l2_init(key: jax.Array, x0: jax.Array, eps: jax.Array) -> jax.Array:
 # Proposals.
 
 
+def _changing_signs(u: jax.Array, image: jax.Array, clean: jax.Array, radius: jax.Array,
+                    mask: jax.Array) -> jax.Array:
+    """One sign per channel ``[B, c]``, uniform (by ``u`` ``[B]``) among the ``2^c`` patterns
+    that change the window; all patterns when none does. Setting the window of ``clean`` to
+    ``clean + sign * radius`` (clipped to the box) must differ from ``image`` somewhere."""
+    c = image.shape[-1]
+    # same[b, ch, i]: sign (-1, +1)[i] on channel ch leaves the window of image b unchanged.
+    same = jnp.stack([
+        jnp.all((jnp.abs(jnp.clip(clean + sign * radius, 0.0, 1.0) - image) < _SAME) | ~mask,
+                axis=(1, 2))
+        for sign in (-1.0, 1.0)
+    ], axis=-1)  # [B, c, 2]
+    bits = (np.arange(2**c)[:, None] >> np.arange(c)[None, :]) & 1  # [P, c]: pattern p's signs
+    unchanged = jnp.all(same[:, np.arange(c)[None, :], bits], axis=-1)  # [B, P]
+    allowed = ~unchanged | jnp.all(unchanged, axis=-1, keepdims=True)
+    rank = _pick(u, jnp.sum(allowed, axis=-1))  # the rank-th allowed pattern
+    pattern = jnp.argmax(allowed & (jnp.cumsum(allowed, axis=-1) == rank[:, None] + 1), -1)
+    return 2.0 * jnp.asarray(bits, jnp.float32)[pattern] - 1.0
+
+
 def _linf_proposal(key: jax.Array, state: SquareState, s: jax.Array) -> jax.Array:
-    """Sets a random square of the perturbation to +-eps (one sign per channel), clipped."""
-    x, x0 = state.x, state.x0
-    b = x.shape[0]
-    h, w, c = _hwc(x.shape[1:])
-    u = _uniforms(key, 2 + (1 if c <= _MAX_PATTERN_CHANNELS else c))
+    """Sets a random square of the perturbation to +-eps (one sign per channel), clipped. With
+    few channels the signs are drawn among those that change the image (no query wasted)."""
+    b = state.x.shape[0]
+    h, w, c = _hwc(state.x.shape[1:])
+    few = c <= _MAX_PATTERN_CHANNELS
+    u = _uniforms(key, 2 + (1 if few else c))
     oh, ow = _offsets(u[:, :2], s, h, w)
     mask = window_mask(oh, ow, s, h, w)[..., None]  # [B, h, w, 1]
-    x4, x04 = x.reshape(b, h, w, c), x0.reshape(b, h, w, c)
-    e4 = state.eps.reshape(-1, 1, 1, 1)
-    if c <= _MAX_PATTERN_CHANNELS:
-        # Which sign on which channel leaves the window unchanged (the "no-op" proposals).
-        same = []
-        for sgn in (-1.0, 1.0):
-            moved = jnp.clip(x04 + sgn * e4, 0.0, 1.0)
-            same.append(jnp.all((jnp.abs(moved - x4) < _SAME) | ~mask, axis=(1, 2)))  # [B, c]
-        same = jnp.stack(same, axis=-1)  # [B, c, 2]: index 0 for -1, 1 for +1
-        bits = (np.arange(2**c)[:, None] >> np.arange(c)[None, :]) & 1  # [P, c]
-        unchanged = jnp.all(same[:, np.arange(c)[None, :], bits], axis=-1)  # [B, P]
-        allowed = ~unchanged | jnp.all(unchanged, axis=-1, keepdims=True)
-        # The k-th allowed pattern, k uniform among the allowed ones.
-        rank = _pick(u[:, 2], jnp.sum(allowed, axis=-1))
-        pattern = jnp.argmax(allowed & (jnp.cumsum(allowed, axis=-1) == rank[:, None] + 1), -1)
-        sign = 2.0 * jnp.asarray(bits, jnp.float32)[pattern] - 1.0  # [B, c]
-    else:
-        sign = _signs(u[:, 2:])
-    delta = jnp.where(mask, e4 * sign.reshape(b, 1, 1, c), x4 - x04)
-    return norms.project_box(x04 + delta).reshape(x.shape)
+    image, clean = state.x.reshape(b, h, w, c), state.x0.reshape(b, h, w, c)
+    radius = state.eps.reshape(-1, 1, 1, 1)
+    sign = _changing_signs(u[:, 2], image, clean, radius, mask) if few else _signs(u[:, 2:])
+    delta = jnp.where(mask, radius * sign.reshape(b, 1, 1, c), image - clean)
+    return norms.project_box(clean + delta).reshape(state.x.shape)
 
 
 def _l2_proposal(key: jax.Array, state: SquareState, s: jax.Array) -> jax.Array:
