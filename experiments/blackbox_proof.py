@@ -48,7 +48,8 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, default=500)
     p.add_argument("--n-l2", type=int, default=100)
     p.add_argument("--batch", type=int, default=250)
-    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("experiments/results/blackbox_proof.json"))
+    p.add_argument("--out", type=pathlib.Path,
+                   default=pathlib.Path("experiments/results/blackbox_proof.json"))
     args = p.parse_args(argv)
 
     apply_fn, params = models.load_or_train(models.ADVERSARIAL)
@@ -62,7 +63,8 @@ def main(argv=None) -> int:
         fooled, _ = run(lst, apply_fn, params, x, y, 0.3, "linf", args.batch)
         acc = 100 * float(np.mean(clean & ~fooled))
         out["linf"][name] = {"robust_accuracy": acc, "seconds": time.perf_counter() - start}
-        print(f"linf 0.3 {name:15s} robust {acc:5.1f}%  {time.perf_counter() - start:6.1f} s", flush=True)
+        print(f"linf 0.3 {name:15s} robust {acc:5.1f}%  {time.perf_counter() - start:6.1f} s",
+              flush=True)
 
     ok = np.asarray(jnp.argmax(apply_fn(params, jnp.asarray(ds.x)), -1)) == ds.y
     idx = np.flatnonzero(ok)[: args.n_l2]
@@ -77,7 +79,8 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         _, d = run([attack], apply_fn, params, xm, ym, 0.0, "l2", args.batch, judging="float")
         rows[name] = {"queries": attack.queries, "gradients": attack.gradients,
-                      "success_rate": float(np.isfinite(d).mean()), "median_l2": float(np.median(d)),
+                      "success_rate": float(np.isfinite(d).mean()),
+                      "median_l2": float(np.median(d)),
                       "seconds": time.perf_counter() - start}
         print(f"l2 {name:32s} success {np.isfinite(d).mean():.3f}  median {np.median(d):.3f}  "
               f"{time.perf_counter() - start:6.1f} s", flush=True)

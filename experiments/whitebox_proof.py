@@ -74,7 +74,8 @@ def main(argv=None) -> int:
                    help="extra, larger budgets for CW (tanh saturation makes it slow on MNIST)")
     p.add_argument("--skip-linf", action="store_true", help="reuse part 1 from --out")
     p.add_argument("--batch", type=int, default=250)
-    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("experiments/results/whitebox_proof.json"))
+    p.add_argument("--out", type=pathlib.Path,
+                   default=pathlib.Path("experiments/results/whitebox_proof.json"))
     args = p.parse_args(argv)
 
     apply_fn, params = models.load_or_train(models.ADVERSARIAL)
@@ -130,7 +131,9 @@ def main(argv=None) -> int:
         for tol in (0.10, 0.03):
             hits = [g for g, r in sorted(out["l2"][name].items())
                     if r["median_distortion"] <= reference * (1 + tol)]
-            out["l2"][f"{name}_gradients_to_within_{round(tol * 100)}pct"] = hits[0] if hits else None
+            out["l2"][f"{name}_gradients_to_within_{round(tol * 100)}pct"] = (
+                hits[0] if hits else None
+            )
         print(f"l2 {name:9s} smallest budget within 10% / 3% of the best median ({reference:.3f}): "
               f"{out['l2'][f'{name}_gradients_to_within_10pct']} / "
               f"{out['l2'][f'{name}_gradients_to_within_3pct']}")

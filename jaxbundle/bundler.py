@@ -526,7 +526,9 @@ def check_attacks(attacks: Sequence[Attack], norm: str) -> tuple[Attack, ...]:
         if not isinstance(a, Attack):
             raise TypeError(f"expected Attack objects (e.g. jaxbundle.attacks.pgd()), got {a!r}")
         if a.kind not in KINDS:
-            raise ValueError(f"attack {a.name!r} has unknown kind {a.kind!r}; expected one of {KINDS}")
+            raise ValueError(
+                f"attack {a.name!r} has unknown kind {a.kind!r}; expected one of {KINDS}"
+            )
         if a.norm != norm:
             raise ValueError(
                 f"attack {a.name!r} works in norm {a.norm!r} but the threat model is {norm!r}"
@@ -628,7 +630,9 @@ def check_inputs(
     if eps_host.ndim > 1 or (eps_host.ndim == 1 and eps_host.shape[0] != x.shape[0]):
         raise ValueError(f"eps must be a scalar or shape [{x.shape[0]}], got {eps_host.shape}")
     if not np.all(np.isfinite(eps_host)) or np.any(eps_host < 0):
-        raise ValueError(f"eps must be finite and >= 0, got {eps_host.min() if eps_host.size else eps_host}")
+        raise ValueError(
+            f"eps must be finite and >= 0, got {eps_host.min() if eps_host.size else eps_host}"
+        )
     if check_judging(judging) == "grid":
         off = int(np.sum(~norms.on_grid(np.asarray(x, np.float32))))
         if off:

@@ -78,7 +78,9 @@ def _focus(text: str) -> tuple[str, float]:
     except ValueError:
         value = float("nan")
     if not sep or not name.strip() or not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"expected ATTACK=FRACTION with 0 < FRACTION <= 1, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected ATTACK=FRACTION with 0 < FRACTION <= 1, got {text!r}"
+        )
     return name.strip(), value
 
 

@@ -178,7 +178,8 @@ def best_effort_metrics(
         r = best_effort(fixed, apply_fn, params, b.x, b.y, key, eps_max=eps_max, norm=norm,
                         iterations=iterations, example_id=b.example_id, judging=judging)
         ok = np.asarray(apply_fn(params, b.x)).argmax(-1) == b.y
-        parts.append((np.asarray(r.distortion)[b.mask], ok[b.mask], np.asarray(r.gradients)[b.mask]))
+        parts.append((np.asarray(r.distortion)[b.mask], ok[b.mask],
+                      np.asarray(r.gradients)[b.mask]))
     d, ok, gradients = (np.concatenate(p) for p in zip(*parts))
     grid = curves.distortion_grid(norm)
     metrics = {
@@ -331,7 +332,8 @@ def run_job(
             evaluation = evaluate_source(
                 apply_fn, params, source, model_attacks, eps=eps, norm=norm, seed=seed,
                 batch_size=batch_size, judging=judging, progress=step,
-                checkpoint_dir=None if checkpoint_dir is None else os.path.join(checkpoint_dir, ref.name),
+                checkpoint_dir=(None if checkpoint_dir is None
+                                else os.path.join(checkpoint_dir, ref.name)),
                 images_dir=os.path.join(out, "adversarial", ref.name) if save_images else None,
                 keep_images=getattr(source, "in_memory", False), schedule=schedule,
                 schedule_goal="misclassify" if threshold is None else "max_confidence",

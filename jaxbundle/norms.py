@@ -99,7 +99,8 @@ def norm(delta: jax.Array, name: str) -> jax.Array:
 
 
 def in_ball(delta: jax.Array, eps: float | jax.Array, name: str) -> jax.Array:
-    """Per-example ``||delta|| <= eps`` up to float32 slack (:data:`BALL_RTOL`, :data:`BALL_ATOL`)."""
+    """Per-example ``||delta|| <= eps`` up to float32 slack (:data:`BALL_RTOL`,
+    :data:`BALL_ATOL`)."""
     return norm(delta, name) <= ball_limit(eps)
 
 

@@ -27,9 +27,11 @@ Schema of ``report.json`` (version 1)::
           "checks": {"<check>": {"passed": bool, "saw": str, "means": str, "advice": str,
                                  "examples": int | null}},  # jaxbundle.checks
           "check_flag_names": [str],       # the columns of the npz's check_flags
-          "operating_characteristic": {"grid": [D...], "white_box" | "black_box" | "bundled": [P(D)...]},
+          "operating_characteristic": {"grid": [D...],
+                                       "white_box" | "black_box" | "bundled": [P(D)...]},
           "half_distortion": {"white_box" | "black_box" | "bundled":
-                              {"d_half": float | "inf" | null, "fooled_fraction": float, "n_correct": int}},
+                              {"d_half": float | "inf" | null, "fooled_fraction": float,
+                               "n_correct": int}},
           "failure_rate_curve": {"thresholds": [...], "attacked": [...], "clean": [...]},
           "attack_contribution": {"<attack>": {"won": int, "only_this": int}},
           "robustness_vs_compute": {"cost": [gradients + queries...], "robust_accuracy": [...]},
@@ -119,7 +121,8 @@ def table(model_name: str, metrics: dict) -> Table:
     t.add_row("clean", number(clean), "")
     for label, acc in attack_rows(metrics):
         t.add_row(label, number(acc), number(rr(acc)))
-    white, black = metrics.get("white_box_robust_accuracy"), metrics.get("black_box_robust_accuracy")
+    white, black = (metrics.get("white_box_robust_accuracy"),
+                    metrics.get("black_box_robust_accuracy"))
     if white is not None and black is not None:
         t.add_row("white-box bundled", number(white), number(rr(white)))
         t.add_row("black-box bundled", number(black), number(rr(black)))
@@ -225,7 +228,8 @@ def markdown(report: dict) -> str:
         for kind in ("white_box", "black_box"):
             v = m.get(f"{kind}_robust_accuracy")
             if v is not None and m.get("black_box_robust_accuracy") is not None:
-                lines.append(f"| {kind.replace('_', '-')} bundled | {number(v)} | {number(rr(v))} |")
+                lines.append(f"| {kind.replace('_', '-')} bundled | {number(v)} | "
+                             f"{number(rr(v))} |")
         lines += [
             f"| **bundled robust** | **{number(m['robust_accuracy'])}** | "
             f"**{number(m['relative_robustness'])}** |",
@@ -252,10 +256,12 @@ def markdown(report: dict) -> str:
         if shifts:
             names = [k for k in shifts if k != "clean_accuracy"]
             sev = list(shifts[names[0]]) if names else []
-            lines += ["| shift (accuracy % / RR %) | " + " | ".join(f"severity {s}" for s in sev) + " |",
+            lines += ["| shift (accuracy % / RR %) | "
+                      + " | ".join(f"severity {s}" for s in sev) + " |",
                       "|---|" + "---|" * len(sev)]
             for s_name in names:
-                cells = [f"{number(v['accuracy'], '.1f')} / {number(v['relative_robustness'], '.1f')}"
+                cells = [f"{number(v['accuracy'], '.1f')} / "
+                         f"{number(v['relative_robustness'], '.1f')}"
                          for v in shifts[s_name].values()]
                 lines.append(f"| {s_name} | " + " | ".join(cells) + " |")
             lines.append("")

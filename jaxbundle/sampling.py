@@ -128,7 +128,8 @@ def sample_logits(apply_fn: Stochastic, params: Any, x: jax.Array, keys: jax.Arr
 
 
 def fold_each(keys: jax.Array, data: int | jax.Array) -> jax.Array:
-    """``[B]`` keys ``fold_in(keys[b], data)``: the same ``data`` folded into every example's key."""
+    """``[B]`` keys ``fold_in(keys[b], data)``: the same ``data`` folded into every example's
+    key."""
     return jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, data)
 
 

@@ -371,7 +371,8 @@ def cascade(
     real = np.ones(batch, bool) if mask is None else np.asarray(mask, bool)
     eps = jnp.broadcast_to(jnp.asarray(eps, jnp.float32), y.shape)
     best, clean, eps_aimed, grid = _start(
-        params, x, y, key, example_id, eps, apply_fn=apply_fn, goal_names=goal_names, norm=norm, judging=judging
+        params, x, y, key, example_id, eps, apply_fn=apply_fn, goal_names=goal_names, norm=norm,
+        judging=judging,
     )
     b = _Batch(apply_fn, params, x, y, key, example_id, eps, eps_aimed, norm, goal_names,
                judging, unroll, restart_mode, goal, threshold,
@@ -429,7 +430,8 @@ def cascade(
                             int(np.sum(grads[real])), int(np.sum(asked[real]))))
     result = BundleResult(
         best=best, clean=clean, attack_success=success, attack_distortion=distortion,
-        attack_step=best_step, attack_improving=improving, gradients=jnp.asarray(gradients, jnp.int32),
+        attack_step=best_step, attack_improving=improving,
+        gradients=jnp.asarray(gradients, jnp.int32),
         queries=jnp.asarray(queries, jnp.int32),
         judged_on_grid=grid,
     )

@@ -37,7 +37,8 @@ SEVERITIES = (1, 2, 3, 4, 5)
 
 
 def _conv2d_same(x: jax.Array, kernel: jax.Array) -> jax.Array:
-    """Depthwise 2-D convolution with edge padding; ``x`` ``[B, H, W, C]``, ``kernel`` ``[h, w]``."""
+    """Depthwise 2-D convolution with edge padding; ``x`` ``[B, H, W, C]``, ``kernel``
+    ``[h, w]``."""
     kh, kw = kernel.shape
     padded = jnp.pad(x, ((0, 0), (kh // 2, kh // 2), (kw // 2, kw // 2), (0, 0)), mode="edge")
     channels = x.shape[-1]
@@ -154,6 +155,7 @@ def evaluate_shifts(
             ok = correct_on(name, s)
             result[name][str(s)] = {
                 "accuracy": 100.0 * ok.mean(),
-                "relative_robustness": relative_robustness(int(np.sum(ok & clean)), int(clean.sum())),
+                "relative_robustness": relative_robustness(int(np.sum(ok & clean)),
+                                                           int(clean.sum())),
             }
     return result

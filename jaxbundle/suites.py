@@ -116,7 +116,9 @@ ATTACKS: dict[str, Callable[..., Attack]] = {
             norm, queries=queries, p_init=0.8, rescale_schedule=False, name="square-aa"
         )
     ),
-    "rays": lambda norm, steps=None, restarts=None, step_size=None, queries=5000: _rays(norm, queries),
+    "rays": lambda norm, steps=None, restarts=None, step_size=None, queries=5000: _rays(
+        norm, queries
+    ),
     "surfree": lambda norm, steps=None, restarts=None, step_size=None, queries=5000: _surfree(
         norm, queries
     ),
@@ -235,7 +237,8 @@ def bundle_attacks(
         if only is not None and norm not in only:
             continue
         kwargs = dict(overrides)
-        kwargs.update({k: v for k, v in (("steps", steps), ("restarts", restarts)) if v is not None})
+        kwargs.update({k: v for k, v in (("steps", steps), ("restarts", restarts))
+                       if v is not None})
         queries = kwargs.pop("queries", None)
         if queries is None:
             built.append(attack(attack_name, norm, step_size=step_size, **kwargs))

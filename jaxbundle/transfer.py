@@ -124,5 +124,6 @@ def transfer_figures(result: TransferResult, surrogate_names: Sequence[str]) -> 
     return {
         "clean_accuracy": 100.0 * ok.mean(),
         "transfer_robust_accuracy": pct(result.success),
-        "per_surrogate": {name: pct(s) for name, s in zip(surrogate_names, result.surrogate_success)},
+        "per_surrogate": {name: pct(s)
+                          for name, s in zip(surrogate_names, result.surrogate_success)},
     }

@@ -18,12 +18,16 @@ ATTACKS = [
     pytest.param(lambda: attacks.fgsm("l2"), "l2", id="fgm-l2"),
     pytest.param(lambda: attacks.pgd("linf", steps=5), "linf", id="pgd-linf"),
     pytest.param(lambda: attacks.pgd("l2", steps=5, loss="margin"), "l2", id="pgd-l2-margin"),
-    pytest.param(lambda: attacks.pgd("linf", steps=5, loss="dlr", restarts=3), "linf", id="pgd-dlr"),
+    pytest.param(
+        lambda: attacks.pgd("linf", steps=5, loss="dlr", restarts=3), "linf", id="pgd-dlr"
+    ),
     pytest.param(
         lambda: attacks.pgd("linf", steps=5, random_start=False, step_size=0.02), "linf", id="bim"
     ),
     pytest.param(lambda: attacks.apgd("linf", steps=6), "linf", id="apgd-ce-linf"),
-    pytest.param(lambda: attacks.apgd("l2", loss="dlr", steps=6, restarts=2), "l2", id="apgd-dlr-l2"),
+    pytest.param(
+        lambda: attacks.apgd("l2", loss="dlr", steps=6, restarts=2), "l2", id="apgd-dlr-l2"
+    ),
     pytest.param(
         lambda: attacks.apgd("linf", loss="dlr-targeted", steps=6, targets=3), "linf", id="apgd-t"
     ),
@@ -31,7 +35,9 @@ ATTACKS = [
     pytest.param(lambda: attacks.fmn("linf", steps=6), "linf", id="fmn-linf"),
     pytest.param(lambda: attacks.fmn("l2", steps=6), "l2", id="fmn-l2"),
     pytest.param(lambda: attacks.fmn("l1", steps=6), "l1", id="fmn-l1"),
-    pytest.param(lambda: attacks.deepfool("linf", steps=4, candidates=3), "linf", id="deepfool-linf"),
+    pytest.param(
+        lambda: attacks.deepfool("linf", steps=4, candidates=3), "linf", id="deepfool-linf"
+    ),
     pytest.param(lambda: attacks.deepfool("l2", steps=4, candidates=3), "l2", id="deepfool-l2"),
     pytest.param(lambda: attacks.cw(steps=3, search_steps=2), "l2", id="cw-l2"),
     pytest.param(lambda: attacks.spsa(steps=3, samples=4), "linf", id="spsa"),
@@ -105,7 +111,8 @@ class TestConformance:
         for point in [s.x for s in states] + [c.x for c in cands]:
             assert float(point.min()) >= 0.0 and float(point.max()) <= 1.0
             if attack.goal != "min_norm":
-                assert np.all(np.asarray(norms.norm(point - x, norm)) <= EPS[norm] * (1 + 1e-5) + 1e-6)
+                assert np.all(np.asarray(norms.norm(point - x, norm))
+                              <= EPS[norm] * (1 + 1e-5) + 1e-6)
 
     def test_candidate_logits_are_the_models(self, make, norm):
         attack = make()
@@ -172,7 +179,8 @@ def test_random_start_differs_between_keys():
     attack = attacks.pgd("linf", steps=1)
     model, x, y, eps, keys = _setup("linf")
     s1 = attack.init(attack.config, keys, x, y, eps, model, 0)
-    s2 = attack.init(attack.config, attacks.per_example_keys(jax.random.key(1), jnp.arange(16)), x, y, eps, model, 0)
+    s2 = attack.init(attack.config, attacks.per_example_keys(jax.random.key(1), jnp.arange(16)),
+                     x, y, eps, model, 0)
     assert not np.allclose(s1.x, s2.x)
     assert not np.allclose(s1.x[0], s1.x[1] - x[1] + x[0]), "examples must not share noise"
 

@@ -41,6 +41,8 @@ def test_fgsm_best_effort_on_a_binary_linear_model_is_the_exact_distance(norm):
 def test_best_effort_rejects_bad_arguments():
     params, x, y = linear_problem(n=4)
     with pytest.raises(ValueError, match="eps_max"):
-        best_effort([attacks.fgsm()], linear_apply, params, images(x), jnp.asarray(y), KEY, eps_max=0.0)
+        best_effort([attacks.fgsm()], linear_apply, params, images(x), jnp.asarray(y), KEY,
+                    eps_max=0.0)
     with pytest.raises(ValueError, match="iterations"):
-        best_effort([attacks.fgsm()], linear_apply, params, images(x), jnp.asarray(y), KEY, eps_max=0.1, iterations=-1)
+        best_effort([attacks.fgsm()], linear_apply, params, images(x), jnp.asarray(y), KEY,
+                    eps_max=0.1, iterations=-1)

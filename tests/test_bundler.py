@@ -41,7 +41,8 @@ def _row_step(config, state, model):
         return m(logits, y)
 
     _, grad, logits = model.loss_and_grad(margin, state.x, state.y)
-    fgsm = norms.project(state.x0 + norms.per_example(state.eps, grad) * jnp.sign(grad), state.x0, state.eps, "linf")
+    fgsm = norms.project(state.x0 + norms.per_example(state.eps, grad) * jnp.sign(grad), state.x0,
+                         state.eps, "linf")
     moved = fgsm if config.shift == 0 else state.x0 + config.shift
     victim = (jnp.arange(state.x.shape[0]) == config.row)
     x_new = jnp.where(norms.per_example(victim, state.x), moved, state.x0)
@@ -85,7 +86,9 @@ def test_bundled_success_is_the_union_of_verified_attack_successes():
     union = clean_wrong | np.asarray(r.attack_success).any(axis=0)
     best = r.best["misclassify"]
     np.testing.assert_array_equal(np.asarray(best.score.misclassified), union)
-    assert np.all(np.asarray(r.attack_success)[:, clean_wrong]), "clean errors count for every attack"
+    assert np.all(np.asarray(r.attack_success)[:, clean_wrong]), (
+        "clean errors count for every attack"
+    )
     # The winner is an attack that succeeded on its own (or -1, the clean image).
     winner = np.asarray(best.attack)
     won = union & (winner >= 0)
@@ -104,8 +107,10 @@ def test_more_attacks_never_lose_a_success():
     s_small = np.asarray(r_small.best["misclassify"].score.misclassified)
     s_large = np.asarray(r_large.best["misclassify"].score.misclassified)
     assert np.all(s_large[s_small]) and s_large.sum() > s_small.sum()
-    d_small = np.where(np.asarray(r_small.best["min_norm"].score.misclassified), np.asarray(r_small.best["min_norm"].score.distortion), np.inf)
-    d_large = np.where(np.asarray(r_large.best["min_norm"].score.misclassified), np.asarray(r_large.best["min_norm"].score.distortion), np.inf)
+    d_small = np.where(np.asarray(r_small.best["min_norm"].score.misclassified),
+                       np.asarray(r_small.best["min_norm"].score.distortion), np.inf)
+    d_large = np.where(np.asarray(r_large.best["min_norm"].score.misclassified),
+                       np.asarray(r_large.best["min_norm"].score.distortion), np.inf)
     assert np.all(d_large <= d_small)
     c_small = np.asarray(r_small.best["max_confidence"].score.confidence)
     c_large = np.asarray(r_large.best["max_confidence"].score.confidence)
@@ -150,7 +155,8 @@ def test_success_is_judged_on_the_quantised_image():
     assert not bool(quantised.attack_success[0, 0])
     assert not bool(quantised.best["misclassify"].score.misclassified[0])
     # With eps of one pixel level it does count, and the image is exactly one level up.
-    one_level = bundle([attack.rename("pgd")], apply, params, x, y, KEY, eps=1 / 255, judging="grid")
+    one_level = bundle([attack.rename("pgd")], apply, params, x, y, KEY, eps=1 / 255,
+                       judging="grid")
     assert bool(one_level.attack_success[0, 0])
     np.testing.assert_allclose(one_level.best["misclassify"].x[0, 0, 0, 0], 129 / 255, atol=1e-7)
 
@@ -183,10 +189,12 @@ def test_per_example_eps_and_batch_invariance():
     eps = float(np.quantile(min_distance(params, x, y, "linf"), 0.5))
     attack = [attacks.pgd(steps=5, restarts=2)]
     ids = jnp.arange(24, dtype=jnp.int32)
-    full = bundle(attack, linear_apply, params, images(x), jnp.asarray(y), KEY, eps=eps, example_id=ids)
+    full = bundle(attack, linear_apply, params, images(x), jnp.asarray(y), KEY, eps=eps,
+                  example_id=ids)
     part = bundle(attack, linear_apply, params, images(x[8:16]), jnp.asarray(y[8:16]), KEY,
                   eps=eps, example_id=ids[8:16])
-    np.testing.assert_allclose(full.best["misclassify"].x[8:16], part.best["misclassify"].x, atol=1e-6)
+    np.testing.assert_allclose(full.best["misclassify"].x[8:16], part.best["misclassify"].x,
+                               atol=1e-6)
     per_example = bundle(attack, linear_apply, params, images(x), jnp.asarray(y), KEY,
                          eps=jnp.where(jnp.arange(24) < 12, 0.0, eps), example_id=ids)
     s = np.asarray(per_example.best["misclassify"].score.misclassified)
@@ -197,7 +205,8 @@ def test_per_example_eps_and_batch_invariance():
     "mutate, match",
     [
         (lambda x, y, e: (x.astype(np.uint8), y, e), "floating"),
-        (lambda x, y, e: (np.where(np.arange(x.size).reshape(x.shape) == 3, np.nan, x).astype(np.float32), y, e), "NaN"),
+        (lambda x, y, e: (np.where(np.arange(x.size).reshape(x.shape) == 3, np.nan,
+                                   x).astype(np.float32), y, e), "NaN"),
         (lambda x, y, e: (x + 0.6, y, e), r"\[0, 1\]"),
         (lambda x, y, e: (x, y.astype(np.float32), e), "integers"),
         (lambda x, y, e: (x, y + 7, e), r"labels must lie in \[0, 4\)"),
@@ -215,7 +224,8 @@ def test_bad_inputs_get_clear_errors(mutate, match):
 
 def test_bundle_configuration_errors():
     params, x, y = linear_problem(n=4, k=4)
-    run = lambda a, **kw: bundle(a, linear_apply, params, images(x), jnp.asarray(y), KEY, eps=0.1, **kw)  # noqa: E731
+    run = lambda a, **kw: bundle(a, linear_apply, params, images(x), jnp.asarray(y), KEY,  # noqa: E731
+                                 eps=0.1, **kw)
     with pytest.raises(ValueError, match="at least one attack"):
         run([])
     with pytest.raises(ValueError, match="unique"):
@@ -228,7 +238,8 @@ def test_bundle_configuration_errors():
     with pytest.raises(ValueError, match="runs 20 steps but its config is built for 10"):
         run([attacks.pgd(steps=10)._replace(num_steps=20)])
     with pytest.raises(ValueError, match="logits"):
-        bundle([attacks.fgsm()], lambda p, x: x.reshape(-1), params, images(x), jnp.asarray(y), KEY, eps=0.1)
+        bundle([attacks.fgsm()], lambda p, x: x.reshape(-1), params, images(x), jnp.asarray(y), KEY,
+               eps=0.1)
 
 
 def test_min_norm_candidates_survive_rounding_to_the_grid():
@@ -250,7 +261,8 @@ def test_min_norm_candidates_survive_rounding_to_the_grid():
     assert fooled(q).all()
     np.testing.assert_array_equal(np.round(np.asarray(q) * 255), np.asarray(q) * 255)
     slack = np.sqrt(x.shape[1]) * 0.5 / 255  # half a level on every pixel
-    assert np.all(np.asarray(norms.norm(q - x0, "l2")) <= 1.3 * np.linalg.norm(delta, axis=1) + slack)
+    assert np.all(np.asarray(norms.norm(q - x0, "l2"))
+                  <= 1.3 * np.linalg.norm(delta, axis=1) + slack)
 
 
 def test_input_check_traces_the_model_once_per_model_and_shapes():

@@ -99,7 +99,8 @@ def test_evaluate_end_to_end(tmp_path):
         assert m["judging"]["mode"] == "auto" and m["judging"]["grid_examples"] == 24
         assert m["judging"]["statement"].startswith(judged)
         assert set(m["mat"]) == set(default)
-        assert m["robust_accuracy"] <= min(m["white_box_robust_accuracy"], m["black_box_robust_accuracy"])
+        assert m["robust_accuracy"] <= min(m["white_box_robust_accuracy"],
+                                           m["black_box_robust_accuracy"])
         for kind in ("white_box", "black_box", "bundled"):
             h = m["half_distortion"][kind]
             assert h["d_half"] == "inf" or 0 < h["d_half"] <= 1

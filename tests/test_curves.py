@@ -17,8 +17,10 @@ def test_hand_computed_operating_characteristic_and_half_distortion():
     d = np.array([0.1, 0.3, INF, 0.2])
     ok = np.array([True, True, True, False])  # the 0.2 example is misclassified clean
     grid = np.array([0.05, 0.1, 0.2, 0.3, 1.0])
-    np.testing.assert_allclose(curves.operating_characteristic(d, ok, grid), [0, 1 / 3, 1 / 3, 2 / 3, 2 / 3])
-    assert curves.half_distortion(d, ok) == {"d_half": 0.3, "fooled_fraction": 2 / 3, "n_correct": 3}
+    np.testing.assert_allclose(curves.operating_characteristic(d, ok, grid),
+                               [0, 1 / 3, 1 / 3, 2 / 3, 2 / 3])
+    assert curves.half_distortion(d, ok) == {"d_half": 0.3, "fooled_fraction": 2 / 3,
+                                             "n_correct": 3}
 
 
 def test_half_distortion_is_infinite_not_nan_when_under_half_are_fooled():

@@ -279,7 +279,8 @@ def test_validate_empty():
 def test_sample_source_streams_the_same_images_as_the_in_memory_sample():
     source = data.open_source("mnist-sample")
     assert len(source) == 2000 and source.dtype == np.uint8 and source.shape == (28, 28, 1)
-    assert source.num_classes == 10 and source.describe() == data.open_source("mnist-sample").describe()
+    assert (source.num_classes == 10
+            and source.describe() == data.open_source("mnist-sample").describe())
     x, y = source.read(10, 20)
     ds = load_mnist_sample("test", n=20)
     np.testing.assert_array_equal(data.to_unit_float(x), ds.x[10:20])
@@ -293,7 +294,8 @@ def test_local_batches_of_all_processes_make_the_single_process_batch(n, batch_s
     source = data.ArraySource(rng.integers(0, 256, (n, 3, 3, 1), dtype=np.uint8), np.arange(n))
     whole = list(batches(source.x, source.y, batch_size))
     for index, expected in enumerate(whole):
-        parts = [data.local_batch(source, index, batch_size, p, processes) for p in range(processes)]
+        parts = [data.local_batch(source, index, batch_size, p, processes)
+                 for p in range(processes)]
         for field in Batch._fields:
             np.testing.assert_array_equal(
                 np.concatenate([getattr(b, field) for b in parts]), getattr(expected, field)
@@ -390,8 +392,8 @@ def test_tfds_source_reads_the_prepared_dataset_without_tensorflow(tfds_dir):
     x, y = source.read(0, 96)
     # The builder shuffles the order; the multiset of (image, label) pairs is the sample's.
     sample = load_mnist_sample("test", n=96)
-    ours = sorted((int(l), (im.astype(np.float32) / 255).tobytes()) for im, l in zip(x, y))
-    theirs = sorted((int(l), im.tobytes()) for im, l in zip(sample.x, sample.y))
+    ours = sorted((int(label), (im.astype(np.float32) / 255).tobytes()) for im, label in zip(x, y))
+    theirs = sorted((int(label), im.tobytes()) for im, label in zip(sample.x, sample.y))
     assert ours == theirs
     np.testing.assert_array_equal(source.read(5, 9)[0], x[5:9])
     assert "tensorflow" not in sys.modules

@@ -215,7 +215,8 @@ def test_merging_batches_equals_one_pass(problem):
     )
     parts = Counts.empty(len(ATTACKS))
     for lo, hi in [(0, 10), (10, 11), (11, 37)]:
-        r = bundle(ATTACKS, linear_apply, params, x[lo:hi], y[lo:hi], key, eps=eps, example_id=ids[lo:hi])
+        r = bundle(ATTACKS, linear_apply, params, x[lo:hi], y[lo:hi], key, eps=eps,
+                   example_id=ids[lo:hi])
         parts = parts.merge(Counts.from_result(r, mask[lo:hi], eps))
     for u, v in zip(whole, parts):
         np.testing.assert_array_equal(u, v)
@@ -224,7 +225,8 @@ def test_merging_batches_equals_one_pass(problem):
 def test_hand_computed_figures():
     c = Counts(
         n=jnp.int32(10), clean_correct=jnp.int32(8), robust_correct=jnp.int32(2),
-        attack_correct=jnp.asarray([6, 4], jnp.int32), confident_failures=jnp.asarray([5, 3, 1, 0], jnp.int32),
+        attack_correct=jnp.asarray([6, 4], jnp.int32),
+        confident_failures=jnp.asarray([5, 3, 1, 0], jnp.int32),
         kind_correct=jnp.asarray([6, 4], jnp.int32), black_box_only=jnp.int32(0),
         grid_judged=jnp.int32(10),
     )

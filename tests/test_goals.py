@@ -149,7 +149,7 @@ def check_state_is_candidate(best, s, idx):
 
 @given(s=streams(clean_start=True))
 def test_misclassify_matches_reference(s):
-    s.mis = s.margin > 0  # consistent scores 
+    s.mis = s.margin > 0  # consistent scores
     history = run("misclassify", s)
     idx = winners(history[-1])
     expected = np.array([ref_misclassify(s, e) for e in range(s.b)])
@@ -174,10 +174,10 @@ def test_misclassify_success_is_never_lost(s):
 
 
 # Regression (fixed): goals.misclassify ignores Score.misclassified and compares margins only,
-# but verification (jaxbundle.judge.verify) marks a candidate with non-finite logits (or outside the box) as not
-# misclassified while keeping its margin (+inf for logits (0, inf, 0)): folding such a verified
-# failure into a verified success replaces the success, against the docstring 'a success is
-# never replaced by a failure'
+# but verification (jaxbundle.judge.verify) marks a candidate with non-finite logits (or outside
+# the box) as not misclassified while keeping its margin (+inf for logits (0, inf, 0)): folding
+# such a verified failure into a verified success replaces the success, against the docstring 'a
+# success is never replaced by a failure'
 
 
 def test_misclassify_verified_failure_never_replaces_a_success():

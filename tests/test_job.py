@@ -71,7 +71,7 @@ def _write_model(directory, shape, x, y, name, steps=150):
 
     @jax.jit
     def step(params, state, xb, yb):
-        loss = lambda p: optax.softmax_cross_entropy_with_integer_labels(apply(p, xb), yb).mean()
+        loss = lambda p: optax.softmax_cross_entropy_with_integer_labels(apply(p, xb), yb).mean()  # noqa: E731
         grads = jax.grad(loss)(params)
         updates, state = opt.update(grads, state)
         return optax.apply_updates(params, updates), state

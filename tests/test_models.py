@@ -112,7 +112,8 @@ def test_linen_cnn_is_built_from_flax_nn_conv():
     x = jax.random.uniform(jax.random.PRNGKey(1), (2, 28, 28, 1))
     params = module.init(jax.random.PRNGKey(0), x)
     p = params["params"]
-    assert p["conv1"]["kernel"].shape == (3, 3, 1, 32) and p["conv2"]["kernel"].shape == (3, 3, 32, 64)
+    assert (p["conv1"]["kernel"].shape == (3, 3, 1, 32)
+            and p["conv2"]["kernel"].shape == (3, 3, 32, 64))
     conv = jax.lax.conv_general_dilated(
         x, p["conv1"]["kernel"], (2, 2), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC")
     ) + p["conv1"]["bias"][None, None, None, :]
@@ -311,7 +312,8 @@ def test_cache_write_is_atomic_on_failure(tmp_path, monkeypatch):
     assert list(path.parent.iterdir()) == []
 
 
-@pytest.mark.parametrize("size, kernel, stride", [(28, 5, 2), (14, 5, 2), (7, 3, 1), (9, 4, 2), (6, 1, 3)])
+@pytest.mark.parametrize("size, kernel, stride",
+                         [(28, 5, 2), (14, 5, 2), (7, 3, 1), (9, 4, 2), (6, 1, 3)])
 def test_conv_matches_flax_conv_values_and_gradients(size, kernel, stride):
     """models.Conv has flax's parameters and numbers; only its backward pass is rewritten."""
     x = jax.random.uniform(jax.random.key(1), (3, size, size, 2))

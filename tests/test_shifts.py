@@ -1,4 +1,5 @@
-"""Natural shifts: exact transforms, box and grid, and accuracy/RR on a model with a known answer."""
+"""Natural shifts: exact transforms, box and grid, and accuracy/RR on a model with a known
+answer."""
 
 from __future__ import annotations
 
@@ -28,7 +29,9 @@ def test_shifted_images_stay_in_the_box_on_the_grid(name, severity):
     assert out.shape == x.shape and out.min() >= 0 and out.max() <= 1
     np.testing.assert_allclose(out * 255, np.round(out * 255), atol=1e-3)
     assert not np.array_equal(out, x), "a shift at severity >= 1 must change the images"
-    np.testing.assert_array_equal(shifts.apply_shift(jnp.asarray(x), _keys(6), name=name, severity=0), x)
+    np.testing.assert_array_equal(
+        shifts.apply_shift(jnp.asarray(x), _keys(6), name=name, severity=0), x
+    )
 
 
 def test_darkness_and_brightness_are_exact():
@@ -42,7 +45,8 @@ def test_darkness_and_brightness_are_exact():
 def test_smoothing_shifts_leave_flat_images_alone_and_noise_is_per_example():
     flat = jnp.full((3, 8, 8, 1), 100 / 255, jnp.float32)
     for name in ("sharpness", "blur", "contrast"):
-        np.testing.assert_allclose(shifts.apply_shift(flat, _keys(3), name=name, severity=4), flat, atol=1e-6)
+        np.testing.assert_allclose(shifts.apply_shift(flat, _keys(3), name=name, severity=4), flat,
+                                   atol=1e-6)
     noisy = np.asarray(shifts.apply_shift(flat, _keys(3), name="noise", severity=3))
     assert not np.allclose(noisy[0], noisy[1])
     again = np.asarray(shifts.apply_shift(flat, _keys(3), name="noise", severity=3))
@@ -70,7 +74,8 @@ def test_evaluate_shifts_hand_computed_accuracy_and_rr():
     means = x.reshape(40, -1).mean(axis=1)
     threshold = float(np.median(means))
     y = (means > threshold).astype(np.int32)  # clean accuracy 100%
-    r = shifts.evaluate_shifts(_mean_model(threshold), None, x, y, shifts=("darkness",), severities=(1, 3), batch_size=16)
+    r = shifts.evaluate_shifts(_mean_model(threshold), None, x, y, shifts=("darkness",),
+                               severities=(1, 3), batch_size=16)
     assert r["clean_accuracy"] == 100.0
     for s in (1, 3):
         dark = np.round(x * (1 - 0.15 * s) * 255) / 255

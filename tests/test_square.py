@@ -259,7 +259,8 @@ def test_iterates_feasible_and_accept_rule(norm, shape):
 def test_linf_proposals_always_change_the_image():
     """The sign pattern is drawn among those that change the window: no wasted queries."""
     _, params, x, y, eps, keys = _setup("linf", n=8, shape=(4, 5, 1), eps=0.005)
-    attack = square("linf", queries=41, grid=False)  # same program as the feasibility test: no recompile
+    # same program as the feasibility test: no recompile
+    attack = square("linf", queries=41, grid=False)
     state0, states, cands = _trajectory(attack, params, keys, x, y, eps, attack.num_steps)
     prev = np.concatenate([np.asarray(state0.x)[None], np.asarray(states.x)[:-1]])
     unfooled = np.concatenate([np.asarray(state0.loss)[None], np.asarray(states.loss)[:-1]]) >= 0

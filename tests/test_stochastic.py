@@ -289,8 +289,10 @@ def test_cascade_on_a_stochastic_model_fools_what_the_full_bundle_fools(segments
     full = bundle(atts, model, params, x, y, KEY, eps=eps, goals=goals, example_id=ids)
     res, _ = cascade(atts, model, params, x, y, KEY, ids, eps, norm="linf", goal_names=goals,
                      segments=segments)
-    fooled = lambda r: np.asarray(goals_lib.success("misclassify", r.best["misclassify"].score,
-                                                    eps))  # noqa: E731
+
+    def fooled(r):
+        return np.asarray(goals_lib.success("misclassify", r.best["misclassify"].score, eps))
+
     np.testing.assert_array_equal(fooled(res), fooled(full))
     np.testing.assert_array_equal(np.asarray(res.clean.rate), np.asarray(full.clean.rate))
     assert 0 < fooled(full).sum() < len(y)

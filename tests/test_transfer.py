@@ -47,7 +47,8 @@ def test_a_close_surrogate_transfers_better_than_an_unrelated_one():
     rng = np.random.default_rng(0)
     close = {"w": params["w"] + 0.1 * rng.normal(size=params["w"].shape).astype(np.float32),
              "b": params["b"]}
-    unrelated = {"w": jnp.asarray(rng.normal(size=params["w"].shape), jnp.float32), "b": params["b"]}
+    unrelated = {"w": jnp.asarray(rng.normal(size=params["w"].shape), jnp.float32),
+                 "b": params["b"]}
     r = transfer_bundle(ATTACKS, [(linear_apply, unrelated), (linear_apply, close)],
                         linear_apply, params, x, y, KEY, eps=eps)
     f = transfer_figures(r, ["unrelated", "close"])
@@ -66,4 +67,5 @@ def test_transfer_rejects_no_surrogates_and_bad_inputs():
     with pytest.raises(ValueError, match="surrogate"):
         transfer_bundle(ATTACKS, [], linear_apply, params, x, y, KEY, eps=eps)
     with pytest.raises(ValueError, match="eps"):
-        transfer_bundle(ATTACKS, [(linear_apply, params)], linear_apply, params, x, y, KEY, eps=-1.0)
+        transfer_bundle(ATTACKS, [(linear_apply, params)], linear_apply, params, x, y, KEY,
+                        eps=-1.0)

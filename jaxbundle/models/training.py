@@ -23,7 +23,9 @@ import optax
 from jaxbundle import losses, norms
 from jaxbundle.models.architectures import ApplyFn, Params, model_for
 
-__all__ = ["ADVERSARIAL", "ADVERSARIAL_LINEN", "STANDARD", "TrainConfig", "accuracy", "pgd_linf", "train"]
+__all__ = [
+    "ADVERSARIAL", "ADVERSARIAL_LINEN", "STANDARD", "TrainConfig", "accuracy", "pgd_linf", "train"
+]
 
 Progress = Callable[[int, int], None]
 
