@@ -6,7 +6,7 @@ The floor of an attack that spends G gradients per example is G x (the median ti
 chained forward+backward pass of the same batch, measured as ``floor_fori``: a
 ``lax.fori_loop`` of ``--floor-steps`` gradients, divided by that count). All variants are timed
 in one process, interleaved and rotated every round; medians and minima are reported (see
-``pgd_speed.py`` for the harness).
+``harness.py``).
 
     python benchmarks/attack_speed.py                 # N=256, 7 rounds
     python benchmarks/attack_speed.py --quick         # N=16, 1 round, tiny budgets
@@ -23,13 +23,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from harness import machine_facts, make_floors, model_description, run_interleaved
 
-from pgd_speed import machine_facts, make_floors, model_description, run_interleaved  # noqa: E402
-
-from jaxbundle import attacks, bundler  # noqa: E402
-from jaxbundle.data import load_mnist_sample  # noqa: E402
-from jaxbundle.models import SmallCNN  # noqa: E402
+from jaxbundle import attacks, bundler
+from jaxbundle.data import load_mnist_sample
+from jaxbundle.models import SmallCNN
 
 
 def attack_list(steps: int) -> dict[str, tuple[Any, str, float]]:
@@ -37,7 +35,8 @@ def attack_list(steps: int) -> dict[str, tuple[Any, str, float]]:
     return {
         "pgd-ce": (attacks.pgd("linf", "ce", steps=steps), "linf", 0.3),
         "apgd-ce": (attacks.apgd("linf", "ce", steps=steps), "linf", 0.3),
-        "apgd-t (3 targets)": (attacks.apgd("linf", "dlr-targeted", steps=steps, targets=3), "linf", 0.3),
+        "apgd-t (3 targets)": (
+            attacks.apgd("linf", "dlr-targeted", steps=steps, targets=3), "linf", 0.3),
         "fmn-linf": (attacks.fmn("linf", steps=steps), "linf", 0.3),
         "fmn-l2": (attacks.fmn("l2", steps=steps), "l2", 2.0),
         "bp": (attacks.bp(steps=steps), "l2", 2.0),
@@ -71,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     built = attack_list(args.steps)
     for name, (attack, norm, eps) in built.items():
         variants[name] = (
-            lambda a=attack, nm=norm, e=eps: bundler.bundle([a], module.apply, params, x, y, key, eps=e, norm=nm)
+            lambda a=attack, nm=norm, e=eps: bundler.bundle(
+                [a], module.apply, params, x, y, key, eps=e, norm=nm)
         )
     res = run_interleaved(variants, args.repeats, f"attacks N={args.n}")
     loads = res.pop("_load_avg_per_round")
@@ -83,13 +83,15 @@ def main(argv: list[str] | None = None) -> int:
         g = attack.gradients
         r = res[name]
         rows[name] = {
-            "gradients": g, "median_s": r["median_s"], "min_s": r["min_s"], "compile_s": r["compile_s"],
+            "gradients": g, "median_s": r["median_s"], "min_s": r["min_s"],
+            "compile_s": r["compile_s"],
             "ratio_to_floor": r["median_s"] / (g * per_grad),
             "ratio_min_to_floor_min": r["min_s"] / (g * per_grad_min),
             "times_s": r["times_s"],
         }
         print(f"{name:24s} {g:4d} grads  median {r['median_s'] * 1e3:8.1f} ms  "
-              f"ratio {rows[name]['ratio_to_floor']:5.2f}  ratio(min) {rows[name]['ratio_min_to_floor_min']:5.2f}")
+              f"ratio {rows[name]['ratio_to_floor']:5.2f}  "
+              f"ratio(min) {rows[name]['ratio_min_to_floor_min']:5.2f}")
     out = {"machine": machine_facts(), "model_facts": model_description(module, params),
            "n": args.n, "floor_steps": args.floor_steps, "per_gradient_s": per_grad,
            "per_gradient_min_s": per_grad_min, "load_avg_per_round": loads,

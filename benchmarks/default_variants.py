@@ -20,18 +20,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 
 import jax
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from autoattack_compare import _cached_autoattack, counting, run_jaxbundle
 
-from autoattack_compare import _cached_autoattack, counting, run_jaxbundle  # noqa: E402
-
-from jaxbundle import data, models, suites  # noqa: E402
+from jaxbundle import data, models, suites
 
 
 def run_variant(variant: dict, apply_fn, params, x, y, eps, robust_aa, aa) -> dict:

@@ -32,15 +32,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from harness import machine_facts, run_interleaved
 
-from pgd_speed import machine_facts, run_interleaved  # noqa: E402
-
-import jaxbundle  # noqa: E402
-from jaxbundle import losses, models  # noqa: E402
-from jaxbundle.attacks import pgd  # noqa: E402
-from jaxbundle.data import load_mnist_sample  # noqa: E402
-from jaxbundle.models.randomized import DEFENCES, transform  # noqa: E402
+import jaxbundle
+from jaxbundle import losses, models
+from jaxbundle.attacks import pgd
+from jaxbundle.data import load_mnist_sample
+from jaxbundle.models.randomized import DEFENCES, transform
 
 EPS = 0.3
 

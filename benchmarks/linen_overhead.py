@@ -2,7 +2,7 @@
 
 The model is :class:`jaxbundle.models.LinenCNN` (two stride-2 3x3 ``nn.Conv`` layers, as a user
 writes them), on the embedded MNIST sample. Variants, interleaved in one process (timing
-harness of ``pgd_speed.py``), medians over ``--repeats`` rounds:
+``harness.py``), medians over ``--repeats`` rounds:
 
 * ``floor_*``: 40 chained forward+backward passes of the plain model (async, chained,
   unrolled, ``fori_loop``); the best median is the floor;
@@ -23,21 +23,18 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from harness import EPS, STEP_SIZE, machine_facts, make_floors, run_interleaved
 
-from pgd_speed import EPS, STEP_SIZE, machine_facts, make_floors, run_interleaved  # noqa: E402
-
-from jaxbundle import bundler  # noqa: E402
-from jaxbundle.attacks import pgd  # noqa: E402
-from jaxbundle.data import load_mnist_sample  # noqa: E402
-from jaxbundle.evaluate import evaluate  # noqa: E402
-from jaxbundle.models import LinenCNN  # noqa: E402
+from jaxbundle import bundler
+from jaxbundle.attacks import pgd
+from jaxbundle.data import load_mnist_sample
+from jaxbundle.evaluate import evaluate
+from jaxbundle.models import LinenCNN
 
 TARGET = {512: 1.10, 64: 1.15}  # issue 12: library path / best floor on an nn.Conv model
 

@@ -1,6 +1,6 @@
 """Where does ``bundle()``'s time go beyond the 40 gradients? A decomposition probe.
 
-Companion of ``pgd_speed.py`` (same model, data, attack and timing harness). Each variant
+Companion of ``pgd_speed.py`` (same model, data and attack; timing by ``harness.py``). Each variant
 adds one piece of the bundler's program on top of the previous one, all interleaved in one
 process, medians over ``--repeats`` rounds:
 
@@ -22,8 +22,10 @@ Run with different ``XLA_FLAGS`` to test compiler options, e.g.::
 
     python benchmarks/pgd_overhead.py --n 64
     XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=-reduce \\
-        python benchmarks/pgd_overhead.py --n 512 64 --out benchmarks/results/pgd_overhead_noynnreduce.json
-    python benchmarks/pgd_overhead.py --patch-linf-norm --out benchmarks/results/pgd_overhead_patched.json
+        python benchmarks/pgd_overhead.py --n 512 64 \\
+        --out benchmarks/results/pgd_overhead_noynnreduce.json
+    python benchmarks/pgd_overhead.py --patch-linf-norm \\
+        --out benchmarks/results/pgd_overhead_patched.json
 """
 
 from __future__ import annotations
@@ -38,48 +40,52 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-
-from pgd_speed import (  # noqa: E402
-    EPS,
-    NORM,
-    STEP_SIZE,
-    machine_facts,
-    make_bundle_call,
-    make_floors,
-    model_description,
-    run_interleaved,
-    grad_is_canonical_in_loops,
-    small_cnn_apply_canonical_grad,
+from harness import (
+    EPS, NORM, STEP_SIZE, machine_facts, make_floors, model_description, run_interleaved,
 )
+from pgd_speed import grad_is_canonical_in_loops, make_bundle_call, small_cnn_apply_canonical_grad
 
-from jaxbundle import bundler  # noqa: E402
-from jaxbundle import goals as goals_lib  # noqa: E402
-from jaxbundle import norms  # noqa: E402
-from jaxbundle.attacks import pgd  # noqa: E402
-from jaxbundle.attacks.base import WhiteBoxModel, per_example_keys  # noqa: E402
-from jaxbundle.data import load_mnist_sample  # noqa: E402
-from jaxbundle.models import SmallCNN  # noqa: E402
+from jaxbundle import bundler
+from jaxbundle import goals as goals_lib
+from jaxbundle import norms, sampling
+from jaxbundle.attacks import pgd
+from jaxbundle.attacks.base import WhiteBoxModel, per_example_keys
+from jaxbundle.data import load_mnist_sample
+from jaxbundle.models import SmallCNN
 
 
 def make_pgd_program(apply_fn, attack, *, fold: bool, unroll: int | bool, loop: str):
-    """init + steps (+ fold), as the bundler builds them; ``loop`` "python" or "scan"."""
+    """init + steps (+ fold) of attack 0, restart 0, built from the bundler's own pieces;
+    ``loop`` "python" (unrolled at trace time) or "scan".
+
+    Mirrors ``bundler._start_attack`` (keys by ``bundler._restart_keys``, the model as the
+    attack sees it by ``bundler._seen``, ``attack.init``) and the body of
+    ``bundler._attack_steps`` (``attack.step``, then with ``fold`` ``candidate_state`` and
+    ``_fold_all``); it leaves out the clean forward (the starting best is scored on zero logits
+    with the model's class count), the still-improving bookkeeping, the final forward and the
+    verification, which ``bundle`` adds.
+    """
+    goal_names = ("misclassify",)
 
     @jax.jit
     def run(params, x0, y, key):
         model = WhiteBoxModel(apply_fn, params)
         eps = jnp.full(y.shape, EPS, jnp.float32)
         ids = jnp.arange(y.shape[0], dtype=jnp.int32)
-        keys = per_example_keys(key, ids)
-        state = attack.init(attack.config, keys, x0, y, eps, model, 0)
-        best = bundler.candidate_state(x0, jnp.zeros((y.shape[0], 10)), x0, y, NORM, -1, 0, 0)
+        restart_keys = bundler._restart_keys(per_example_keys(key, ids), 0, 0)
+        seen = bundler._seen(attack, model, restart_keys, sampling.INIT_CALL)
+        state = attack.init(attack.config, restart_keys, x0, y, eps, seen, 0)
+        classes = jax.eval_shape(apply_fn, params, x0).shape[-1]
+        start = bundler.candidate_state(x0, jnp.zeros((y.shape[0], classes)), x0, y, NORM,
+                                        -1, 0, 0, goal_names)
+        best = {g: start for g in goal_names}
 
         def body(carry, t):
             s, b = carry
-            s, cand = attack.step(attack.config, s, model)
+            s, cand = attack.step(attack.config, s, bundler._seen(attack, model, restart_keys, t))
             if fold:
-                c = bundler.candidate_state(cand.x, cand.logits, x0, y, NORM, 0, 0, t)
-                b = bundler.fold("misclassify", eps, b, c)
+                c = bundler.candidate_state(cand.x, cand.logits, x0, y, NORM, 0, 0, t, goal_names)
+                b = bundler._fold_all(goal_names, eps, b, c)
             return (s, b), None
 
         if loop == "python":
@@ -87,7 +93,8 @@ def make_pgd_program(apply_fn, attack, *, fold: bool, unroll: int | bool, loop: 
             for t in range(attack.num_steps):
                 carry, _ = body(carry, jnp.int32(t))
         else:
-            carry, _ = jax.lax.scan(body, (state, best), jnp.arange(attack.num_steps), unroll=unroll)
+            carry, _ = jax.lax.scan(body, (state, best), jnp.arange(attack.num_steps),
+                                    unroll=unroll)
         return carry if fold else carry[0].x
 
     return run
@@ -182,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
                    "max(max(d), -min(d)) (the same numbers) instead of max(abs(d)), whose fused "
                    "4-D reduction XLA:CPU runs slowly; shows what that library change would gain")
     p.add_argument("--out", type=pathlib.Path,
-                   default=pathlib.Path(__file__).resolve().parent / "results" / "pgd_overhead.json")
+                   default=(pathlib.Path(__file__).resolve().parent / "results"
+                            / "pgd_overhead.json"))
     args = p.parse_args(argv)
 
     module = SmallCNN()
@@ -197,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         "model_facts": model_description(module, params),
         "steps": args.steps,
         "patch_linf_norm": args.patch_linf_norm,
-        "scan_model": "jaxbundle.models.SmallCNN" if shipped_ok else "canonical twin (pgd_speed.py)",
+        "scan_model": ("jaxbundle.models.SmallCNN" if shipped_ok
+                       else "canonical twin (pgd_speed.py)"),
         "sections": {},
     }
     print(json.dumps(results["machine"]), flush=True)
@@ -239,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
             )
             many_p, _, scores_p, _ = make_fold_only(x, y, logits, args.steps)
             v[f"fold_x{args.steps}_only_patchednorm"] = _traced_patched(lambda: many_p(xr, logits))
-            v[f"score_x{args.steps}_only_patchednorm"] = _traced_patched(lambda: scores_p(xr, logits))
+            v[f"score_x{args.steps}_only_patchednorm"] = _traced_patched(
+                lambda: scores_p(xr, logits))
         if args.only:
             v = {k: f for k, f in v.items()
                  if k.startswith("floor_") or any(s in k for s in args.only)}
@@ -260,9 +270,11 @@ def main(argv: list[str] | None = None) -> int:
             },
         }
         results["sections"][str(n)] = sec
-        print(f"\n== N={n}, floor {floor * 1e3:.1f} ms (XLA_FLAGS={results['machine']['xla_flags']}) ==")
+        flags = results['machine']['xla_flags']
+        print(f"\n== N={n}, floor {floor * 1e3:.1f} ms (XLA_FLAGS={flags}) ==")
         for k, r in sec["variants"].items():
-            print(f"{k:26s} median {r['median_s'] * 1e3:9.1f} ms  ratio {r['ratio_to_floor']:5.2f}  "
+            print(f"{k:26s} median {r['median_s'] * 1e3:9.1f} ms  "
+                  f"ratio {r['ratio_to_floor']:5.2f}  "
                   f"min {r['min_s'] * 1e3:9.1f} ms  ratio(min) {r['ratio_min_to_floor_min']:5.2f}  "
                   f"compile {r['compile_s']:6.1f} s")
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,8 @@ What is measured (all in one process, variants interleaved round-robin, medians 
   The *best floor* is the lowest median of these.
 
 * **library**: ``bundle([pgd(steps=40, step_size=0.01)], apply_fn, params, x, y, key, eps=0.3)``
-  with ``unroll`` in 1 / 4 / True (full; ``--unrolls`` for others), plus ``validate=False`` for the full unroll.
+  with ``unroll`` in 1 / 4 / True (full; ``--unrolls`` for others), plus ``validate=False`` for
+  the full unroll.
 
 * **python-driven**: the same work as ``bundle`` (pgd init, step, candidate scoring and
   :func:`jaxbundle.bundler.fold` per step, final evaluation, verification) but with one jitted
@@ -43,7 +44,8 @@ the steady-state median) is kept too, but on a loaded machine it is noise-domina
 
 Usage::
 
-    python benchmarks/pgd_speed.py                  # N = 512 and 64, 7 rounds, 5 for restarts (~37 min, 2 CPUs)
+    python benchmarks/pgd_speed.py                  # N = 512 and 64, 7 rounds, 5 for restarts
+                                                    # (~37 min, 2 CPUs)
     python benchmarks/pgd_speed.py --n 512 64 --repeats 11
     python benchmarks/pgd_speed.py --quick          # smoke test, < 60 s (N=16, PGD-2)
 
@@ -53,155 +55,31 @@ Writes ``benchmarks/results/pgd_speed.json`` (``--out``) and prints a table.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import datetime
 import functools
-import gc
 import json
-import os
 import pathlib
-import platform
 import re
-import statistics
 import sys
 import time
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxbundle import bundler, goals as goals_lib, judge, losses, norms
+from jaxbundle import bundler, losses
 from jaxbundle.attacks import pgd
-from jaxbundle.attacks.base import WhiteBoxModel, per_example_keys
+from jaxbundle.attacks.base import per_example_keys
 from jaxbundle.data import load_mnist_sample
 from jaxbundle.models import SmallCNN, _conv_forward, conv_same
 
-EPS = 0.3
-STEP_SIZE = 0.01
+from harness import (
+    EPS, NORM, STEP_SIZE, loadavg, machine_facts, make_floors, model_description, run_interleaved,
+)
+
 GOALS = ("misclassify",)
-NORM = "linf"
 TARGET = {512: 1.05, 64: 1.10}  # from the issue: library path / best floor
 
 HERE = pathlib.Path(__file__).resolve().parent
-
-
-# ----------------------------------------------------------------------------------------
-# Timing
-# ----------------------------------------------------------------------------------------
-
-
-def _loadavg() -> float | None:
-    try:
-        return os.getloadavg()[0]
-    except OSError:
-        return None
-
-
-_COMPILE_EVENTS = (
-    "/jax/core/compile/jaxpr_trace_duration",
-    "/jax/core/compile/jaxpr_to_mlir_module_duration",
-    "/jax/core/compile/backend_compile_duration",
-)
-_compile_seconds = [0.0]
-
-
-def _on_duration(event: str, duration: float, **_: Any) -> None:
-    if event in _COMPILE_EVENTS:
-        _compile_seconds[0] += duration
-
-
-jax.monitoring.register_event_duration_secs_listener(_on_duration)
-
-
-def run_interleaved(
-    variants: dict[str, Callable[[], Any]], repeats: int, label: str
-) -> dict[str, dict[str, Any]]:
-    """Times each variant: one first call (compile + run), then ``repeats`` interleaved rounds.
-
-    Each round runs every variant once, in an order rotated by one per round, so that slow
-    drifts of the machine's load hit all variants alike.
-    """
-    names = list(variants)
-    out: dict[str, dict[str, Any]] = {n: {"times_s": []} for n in names}
-    for n in names:
-        _compile_seconds[0] = 0.0
-        t0 = time.perf_counter()
-        jax.block_until_ready(variants[n]())
-        out[n]["first_s"] = time.perf_counter() - t0
-        out[n]["compile_s"] = _compile_seconds[0]
-        print(
-            f"  [{label}] {n}: first call {out[n]['first_s']:.2f} s "
-            f"(trace+lower+compile {out[n]['compile_s']:.2f} s)",
-            flush=True,
-        )
-    loads = []
-    for r in range(repeats):
-        order = names[r % len(names):] + names[: r % len(names)]
-        gc.collect()
-        loads.append(_loadavg())
-        for n in order:
-            t0 = time.perf_counter()
-            jax.block_until_ready(variants[n]())
-            out[n]["times_s"].append(time.perf_counter() - t0)
-        print(
-            f"  [{label}] round {r + 1}/{repeats} done (load avg {loads[-1]})",
-            flush=True,
-        )
-    for n in names:
-        ts = out[n]["times_s"]
-        med = statistics.median(ts)
-        out[n]["median_s"] = med
-        out[n]["min_s"] = min(ts)
-        out[n]["q1_s"], _, out[n]["q3_s"] = (
-            statistics.quantiles(ts, n=4) if len(ts) >= 2 else (ts[0], ts[0], ts[0])
-        )
-        out[n]["first_minus_median_s"] = out[n]["first_s"] - med
-    out["_load_avg_per_round"] = loads  # type: ignore[assignment]
-    return out
-
-
-# ----------------------------------------------------------------------------------------
-# Floors
-# ----------------------------------------------------------------------------------------
-
-
-def make_floors(apply_fn, params, x, y, steps: int) -> dict[str, Callable[[], Any]]:
-    def total(xa, p, yy):
-        return jnp.sum(losses.cross_entropy(apply_fn(p, xa), yy))
-
-    grad = jax.grad(total)
-    grad_jit = jax.jit(grad)
-
-    @jax.jit
-    def chain_step(xa, p, yy):
-        return xa + 1e-6 * jnp.sign(grad(xa, p, yy))
-
-    @jax.jit
-    def unrolled(xa, p, yy):
-        for _ in range(steps):
-            xa = xa + 1e-6 * jnp.sign(grad(xa, p, yy))
-        return xa
-
-    @jax.jit
-    def fori(xa, p, yy):
-        return jax.lax.fori_loop(0, steps, lambda i, v: v + 1e-6 * jnp.sign(grad(v, p, yy)), xa)
-
-    def a_async():
-        return [grad_jit(x, params, y) for _ in range(steps)]
-
-    def a_chain():
-        xa = x
-        for _ in range(steps):
-            xa = chain_step(xa, params, y)
-        return xa
-
-    return {
-        "floor_a_async": a_async,
-        "floor_a_chain": a_chain,
-        "floor_b_unrolled": lambda: unrolled(x, params, y),
-        "floor_c_fori": lambda: fori(x, params, y),
-    }
 
 
 # ----------------------------------------------------------------------------------------
@@ -213,110 +91,122 @@ def make_bundle_call(attack, apply_fn, params, x, y, key, **kw) -> Callable[[], 
     return lambda: bundler.bundle([attack], apply_fn, params, x, y, key, eps=EPS, **kw)
 
 
-def make_python_driven(attack, apply_fn, params, x, y, key) -> Callable[[], Any]:
-    """bundle()'s work for one attack and one restart, with the step loop in Python.
+JUDGING = "auto"  # bundle()'s default
+RESTART_MODE = "vmap"  # bundle()'s default
 
-    Mirrors ``bundler._bundle`` / ``_run_attack``: same keys, same init, per-step candidate
-    scoring and fold, final evaluation, verification and fold into the clean best.
+
+def make_python_driven(attack, apply_fn, params, x, y, key) -> Callable[[], Any]:
+    """bundle()'s work for one attack, with the step loop in Python: built from the bundler's
+    own pieces so that it cannot drift from ``bundler._bundle``.
+
+    ``init`` is ``bundler.start_stage`` (``_setup``, ``clean_state``, ``_start_attack``: the same
+    keys and init); each ``step`` is ``bundler.step_stage`` for steps ``t .. t + 1`` (the body of
+    ``_attack_steps``: ``attack.step``, ``candidate_state``, ``_fold_all``); ``finish`` mirrors
+    the end of ``_bundle``'s attack loop (``_attack_best``, ``_judged``, ``_fold_each`` into the
+    clean best). What differs from ``bundle`` is the loop (one dispatch per step) and the
+    per-call ``_setup`` (a grid check of the batch) of each stage.
     """
     example_id = jnp.arange(x.shape[0], dtype=jnp.int32)
+    stage = dict(apply_fn=apply_fn, attack=attack, index=0, goal_names=GOALS, norm=NORM,
+                 judging=JUDGING, restart_mode=RESTART_MODE)
 
-    @jax.jit
     def init(p, x0, yy, k, ids):
-        grid = norms.on_grid(x0)
-        model = WhiteBoxModel(apply_fn, p, grid)
-        eps = jnp.where(grid, norms.grid_radius(jnp.full(yy.shape, EPS, jnp.float32), NORM), EPS)
-        keys = per_example_keys(k, ids)
-        keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, 0)  # attack index
-        keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, 0)  # restart
-        clean = bundler.candidate_state(x0, model.logits(x0), x0, yy, NORM, -1, 0, 0)
-        state = attack.init(attack.config, keys, x0, yy, eps, model, 0)
-        return state, {g: clean for g in GOALS}
+        return bundler.start_stage(p, x0, yy, k, ids, EPS, **stage)
+
+    def step(p, running, t):
+        return bundler.step_stage(p, running, x, y, EPS, t, t + 1, **stage)
 
     @jax.jit
-    def step(p, state, best, t):
-        model = WhiteBoxModel(apply_fn, p)
-        x0, yy, eps = state.x0, state.y, state.eps
-        state, cand = attack.step(attack.config, state, model)
-        c = bundler.candidate_state(cand.x, cand.logits, x0, yy, NORM, 0, 0, t)
-        return state, {g: bundler.fold(g, eps, best[g], c) for g in GOALS}
+    def finish(p, running):
+        # bundler._bundle's lines after _attack_steps, for attack 0
+        xx, yy, eps, grid, model = bundler._setup(p, x, y, EPS, apply_fn, NORM, JUDGING,
+                                                  running.keys)
+        found = bundler._attack_best(attack, 0, model, xx, yy, eps, NORM, GOALS, running,
+                                     attack.num_steps, RESTART_MODE)
+        found = bundler._judged(attack, found, model, xx, yy, eps, NORM, grid, running.clean,
+                                GOALS, bundler.still_improving(attack, running))[0]
+        return bundler._fold_each(GOALS, eps, {g: running.clean for g in GOALS}, found)
 
     @jax.jit
-    def finish(p, state, best, clean_best):
-        model = WhiteBoxModel(apply_fn, p)
-        x0, yy, eps = state.x0, state.y, state.eps
-        final = bundler.candidate_state(
-            state.x, model.logits(state.x), x0, yy, NORM, 0, 0, attack.num_steps
-        )
-        found = {g: bundler.fold(g, eps, best[g], final) for g in GOALS}
-        grid = norms.on_grid(x0)
-        found = {g: judge.verify(found[g], g, model, x0, yy, eps, NORM, grid, clean_best[g])
-                 for g in GOALS}
-        return {g: bundler.fold(g, eps, clean_best[g], found[g]) for g in GOALS}
-
-    @jax.jit
-    def step_nofold(p, state):
-        return attack.step(attack.config, state, WhiteBoxModel(apply_fn, p))[0]
+    def step_nofold(p, running, t):
+        # the body of bundler._attack_steps without candidate_state / _fold_all (restart 0)
+        _, _, _, _, model = bundler._setup(p, x, y, EPS, apply_fn, NORM, JUDGING, running.keys)
+        restart_keys = bundler._restart_keys(running.keys, 0, 0)
+        state = jax.tree.map(lambda a: a[0], running.state)
+        state, _ = attack.step(attack.config, state,
+                               bundler._seen(attack, model, restart_keys, t))
+        return running._replace(state=jax.tree.map(lambda a: a[None], state))
 
     steps_t = [jnp.int32(t) for t in range(attack.num_steps)]
 
     def run():
-        state, clean_best = init(params, x, y, key, example_id)
-        best = clean_best
+        running = init(params, x, y, key, example_id)
         for t in steps_t:
-            state, best = step(params, state, best, t)
-        return finish(params, state, best, clean_best)
+            running = step(params, running, t)
+        return finish(params, running)
 
     # The same pieces timed alone (from a fixed state), to split the overhead up.
-    state0, clean0 = jax.block_until_ready(init(params, x, y, key, example_id))
+    running0 = jax.block_until_ready(init(params, x, y, key, example_id))
 
     def steps_fold():
-        state, best = state0, clean0
+        running = running0
         for t in steps_t:
-            state, best = step(params, state, best, t)
-        return state, best
+            running = step(params, running, t)
+        return running
 
     def steps_nofold():
-        state = state0
-        for _ in steps_t:
-            state = step_nofold(params, state)
-        return state
+        running = running0
+        for t in steps_t:
+            running = step_nofold(params, running, t)
+        return running
 
     pieces = {
         "piece_init (random start + clean fwd)": lambda: init(params, x, y, key, example_id),
         f"piece_{attack.num_steps}_steps_with_fold": steps_fold,
         f"piece_{attack.num_steps}_steps_no_fold": steps_nofold,
-        "piece_finish (final fwd + verify fwd)": lambda: finish(params, state0, clean0, clean0),
+        "piece_finish (final fwd + verify fwd)": lambda: finish(params, running0),
     }
     return run, pieces
 
 
 @functools.partial(jax.jit, static_argnames=("apply_fn", "attack", "unroll"))
 def _stripped(params, x0, y, key, example_id, *, apply_fn, attack, unroll):
-    """The bundler's program for one attack/restart without the per-step candidate fold."""
-    model = WhiteBoxModel(apply_fn, params)
-    eps = jnp.full(y.shape, EPS, jnp.float32)
+    """``bundler._bundle`` for one attack (one restart) without the per-step candidate fold.
+
+    Built from the bundler's functions: ``_setup``, ``clean_state`` and ``_start_attack`` as in
+    ``_bundle``; the scan runs the body of ``_attack_steps`` minus ``candidate_state`` /
+    ``_fold_all`` (``attack.step`` on the model ``_seen`` under the restart's keys); then
+    ``_attack_best`` (the final iterate folded into the clean start), ``_judged`` and
+    ``_fold_each`` as in ``_bundle``.
+    """
+    if attack.num_restarts != 1:
+        raise ValueError("the stripped program runs one restart")
     keys = per_example_keys(key, example_id)
-    keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, 0)
-    keys = jax.vmap(jax.random.fold_in, in_axes=(0, None))(keys, 0)
-    clean = bundler.candidate_state(x0, model.logits(x0), x0, y, NORM, -1, 0, 0)
-    state = attack.init(attack.config, keys, x0, y, eps, model, 0)
+    x, y, eps, grid, model = bundler._setup(params, x0, y, EPS, apply_fn, NORM, JUDGING, keys)
+    clean = bundler.clean_state(model, x, y, NORM)
+    running = bundler._start_attack(attack, 0, model, keys, x, y, eps, clean, GOALS,
+                                    RESTART_MODE)
+    restart_keys = bundler._restart_keys(keys, 0, 0)
 
-    def body(s, _):
-        s, _cand = attack.step(attack.config, s, model)
-        return s, None
+    def body(state, t):
+        state, _ = attack.step(attack.config, state, bundler._seen(attack, model, restart_keys, t))
+        return state, None
 
-    state, _ = jax.lax.scan(body, state, None, length=attack.num_steps, unroll=unroll)
-    final = bundler.candidate_state(
-        state.x, model.logits(state.x), x0, y, NORM, 0, 0, attack.num_steps
-    )
-    found = bundler.verify(final, "misclassify", model, x0, y, eps, NORM, True)
-    return bundler.fold("misclassify", eps, clean, found)
+    state = jax.tree.map(lambda a: a[0], running.state)
+    state, _ = jax.lax.scan(body, state, jnp.arange(attack.num_steps, dtype=jnp.int32),
+                            unroll=unroll)
+    running = running._replace(state=jax.tree.map(lambda a: a[None], state))
+    found = bundler._attack_best(attack, 0, model, x, y, eps, NORM, GOALS, running,
+                                 attack.num_steps, RESTART_MODE)
+    found = bundler._judged(attack, found, model, x, y, eps, NORM, grid, clean, GOALS,
+                            bundler.still_improving(attack, running))[0]
+    return bundler._fold_each(GOALS, eps, {g: clean for g in GOALS}, found)
 
 
 def make_stripped(attack, apply_fn, params, x, y, key, unroll) -> Callable[[], Any]:
     ids = jnp.arange(x.shape[0], dtype=jnp.int32)
-    return lambda: _stripped(params, x, y, key, ids, apply_fn=apply_fn, attack=attack, unroll=unroll)
+    return lambda: _stripped(params, x, y, key, ids, apply_fn=apply_fn, attack=attack,
+                             unroll=unroll)
 
 
 # ----------------------------------------------------------------------------------------
@@ -418,62 +308,6 @@ def conv_layout_report(compiled_text: str) -> dict[str, int]:
 # ----------------------------------------------------------------------------------------
 
 
-def machine_facts() -> dict[str, Any]:
-    dev = jax.devices()[0]
-    try:
-        import jaxlib
-
-        jaxlib_version = jaxlib.__version__
-    except Exception:  # pragma: no cover
-        jaxlib_version = None
-    try:
-        affinity = len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover
-        affinity = None
-    cpu_model = None
-    try:
-        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {
-        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "jax_version": jax.__version__,
-        "jaxlib_version": jaxlib_version,
-        "backend": jax.default_backend(),
-        "device": str(dev),
-        "device_kind": getattr(dev, "device_kind", None),
-        "cpu_count": os.cpu_count(),
-        "cpu_affinity": affinity,
-        "cpu_model": cpu_model,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "xla_flags": os.environ.get("XLA_FLAGS"),
-        "load_avg_start": _loadavg(),
-    }
-
-
-def model_description(module, params) -> dict[str, Any]:
-    """The module's fields and parameter shapes (the model file may change under us)."""
-    fields = {
-        f.name: getattr(module, f.name)
-        for f in dataclasses.fields(module)
-        if f.name not in ("parent", "name")
-    }
-    shapes = {
-        "/".join(str(getattr(k, "key", k)) for k in path): list(v.shape)
-        for path, v in jax.tree_util.tree_flatten_with_path(params)[0]
-    }
-    return {
-        "class": type(module).__name__,
-        "fields": {k: v if isinstance(v, (int, float, str, bool)) else repr(v) for k, v in fields.items()},
-        "param_shapes": shapes,
-        "num_params": int(sum(np.prod(v) for v in shapes.values())),
-    }
-
-
 def _summary(res: dict[str, Any], floor: float, floor_min: float) -> dict[str, Any]:
     return {
         "median_s": res["median_s"],
@@ -499,18 +333,21 @@ def bench_single(n, args, apply_fn, params, steps) -> dict[str, Any]:
     variants: dict[str, Callable[[], Any]] = {}
     variants.update(make_floors(apply_fn, params, x, y, steps))
     for u in args.unrolls:
-        variants[f"bundle_unroll={u}"] = make_bundle_call(attack, apply_fn, params, x, y, key, unroll=u)
+        variants[f"bundle_unroll={u}"] = make_bundle_call(attack, apply_fn, params, x, y, key,
+                                                          unroll=u)
     variants["bundle_unroll=True_novalidate"] = make_bundle_call(
         attack, apply_fn, params, x, y, key, unroll=True, validate=False
     )
     variants["python_driven"], pieces = make_python_driven(attack, apply_fn, params, x, y, key)
     for u in (1, True):
-        variants[f"stripped_nofold_unroll={u}"] = make_stripped(attack, apply_fn, params, x, y, key, u)
+        variants[f"stripped_nofold_unroll={u}"] = make_stripped(attack, apply_fn, params, x, y,
+                                                                key, u)
     if args.pieces:
         variants.update(pieces)
     if args.twin:
         twin_label, twin = alternative_model(apply_fn, params, x, y)
-        variants[f"diag_floor_c_fori_{twin_label}"] = make_floors(twin, params, x, y, steps)["floor_c_fori"]
+        variants[f"diag_floor_c_fori_{twin_label}"] = make_floors(
+            twin, params, x, y, steps)["floor_c_fori"]
         for u in (1, True):
             variants[f"diag_bundle_unroll={u}_{twin_label}"] = make_bundle_call(
                 attack, twin, params, x, y, key, unroll=u
@@ -532,7 +369,8 @@ def bench_single(n, args, apply_fn, params, steps) -> dict[str, Any]:
         "best_floor_min_s": best_floor_min,
         "variants": {k: _summary(v, best_floor, best_floor_min) for k, v in res.items()},
     }
-    lib = {k: v for k, v in out["variants"].items() if k.startswith("bundle_unroll=") and "novalidate" not in k}
+    lib = {k: v for k, v in out["variants"].items()
+           if k.startswith("bundle_unroll=") and "novalidate" not in k}
     best_lib = min(lib, key=lambda k: lib[k]["median_s"])
     out["best_library_variant"] = best_lib
     out["best_library_ratio"] = lib[best_lib]["ratio_to_best_floor"]
@@ -548,7 +386,8 @@ def bench_single(n, args, apply_fn, params, steps) -> dict[str, Any]:
         jnp.max(jnp.abs(r_lib.best["misclassify"].x - r_py["misclassify"].x))
     )
     out["python_driven_same_success"] = bool(
-        jnp.all(r_lib.best["misclassify"].score.misclassified == r_py["misclassify"].score.misclassified)
+        jnp.all(r_lib.best["misclassify"].score.misclassified
+                == r_py["misclassify"].score.misclassified)
     )
 
     if args.twin:
@@ -652,9 +491,11 @@ def print_table(title: str, sec: dict[str, Any]) -> None:
             f"{v['ratio_to_best_floor']:6.2f} {v['ratio_min_to_best_floor_min']:10.2f} "
             f"{v['compile_s']:9.2f}"
         )
-    extra = {k: sec[k] for k in ("best_library_variant", "best_library_ratio", "default_library_ratio",
-                                 "target_ratio", "meets_target", "python_driven_max_abs_diff_vs_bundle",
-                                 "python_driven_same_success", "twin_model", "twin_max_abs_diff") if k in sec}
+    extra = {k: sec[k] for k in ("best_library_variant", "best_library_ratio",
+                                 "default_library_ratio", "target_ratio", "meets_target",
+                                 "python_driven_max_abs_diff_vs_bundle",
+                                 "python_driven_same_success", "twin_model", "twin_max_abs_diff")
+             if k in sec}
     print("  ", json.dumps(extra))
     if "hlo" in sec:
         print("   HLO:", json.dumps(sec["hlo"]))
@@ -674,7 +515,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="rounds for the restarts section (default 5: it is the slow one)")
     p.add_argument("--steps", type=int, default=None, help="PGD steps (default 40)")
     p.add_argument("--restarts", type=int, default=4)
-    p.add_argument("--restart-n", type=int, default=None, help="N of the restarts section (default 512)")
+    p.add_argument("--restart-n", type=int, default=None,
+                   help="N of the restarts section (default 512)")
     p.add_argument("--no-restarts", action="store_true", help="skip the restarts section")
     p.add_argument("--unrolls", type=_unroll_arg, nargs="+", default=[1, 4, True],
                    help="scan unroll factors for bundle() (int or True/full); default 1 4 True")
@@ -686,7 +528,8 @@ def main(argv: list[str] | None = None) -> int:
                    "whose input gradient has the other convolution layout")
     p.add_argument("--no-hlo", dest="hlo", action="store_false", help="skip the HLO conv report")
     p.add_argument("--quick", action="store_true",
-                   help="smoke test: N=16, PGD-2, 2 restarts, 1 round, unroll 1 and full, no diag/pieces (< 60 s)")
+                   help="smoke test: N=16, PGD-2, 2 restarts, 1 round, unroll 1 and full, "
+                        "no diag/pieces (< 60 s)")
     p.add_argument("--out", type=pathlib.Path, default=None,
                    help="JSON output (default benchmarks/results/pgd_speed.json; "
                    "pgd_speed_quick.json with --quick)")
@@ -724,7 +567,8 @@ def main(argv: list[str] | None = None) -> int:
             "model": "jaxbundle.models.SmallCNN, random init (PRNGKey(0))",
             "model_facts": model_facts,
             "data": "jaxbundle.data.load_mnist_sample('test', n)",
-            "attack": f"pgd(norm='linf', loss='ce', steps={args.steps}, step_size={STEP_SIZE}, random_start=True)",
+            "attack": (f"pgd(norm='linf', loss='ce', steps={args.steps}, "
+                       f"step_size={STEP_SIZE}, random_start=True)"),
             "eps": EPS,
             "repeats": args.repeats,
             "restart_repeats": args.restart_repeats,
@@ -750,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
         results["restarts"] = sec
         print_table(f"PGD-{args.steps} x {args.restarts} restarts N={n}", sec)
 
-    results["machine"]["load_avg_end"] = _loadavg()
+    results["machine"]["load_avg_end"] = loadavg()
     results["wall_s"] = time.perf_counter() - t_start
     print()
     print("== summary ==")
@@ -763,7 +607,8 @@ def main(argv: list[str] | None = None) -> int:
         )
     if "restarts" in results:
         sec = results["restarts"]
-        print(f"restarts N={sec['n']}: best {sec['best_library_variant']} ratio {sec['best_library_ratio']:.2f}")
+        print(f"restarts N={sec['n']}: best {sec['best_library_variant']} "
+              f"ratio {sec['best_library_ratio']:.2f}")
     print(f"wall {results['wall_s']:.0f} s")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))

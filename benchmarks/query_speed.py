@@ -6,7 +6,7 @@ Its floor is (queries per example) x (one forward pass of the batch), the forwar
 as a ``lax.fori_loop`` of ``--floor-queries`` chained forward passes. A ratio of 1.0 means the
 attack runs as fast as the bare model answers queries; above that is the attack's own work
 (proposals, projections, the bundler's scoring, and for decision-based attacks the evaluator's
-logits on every candidate). Interleaved rounds, medians (harness of ``pgd_speed.py``).
+logits on every candidate). Interleaved rounds, medians (``harness.py``).
 
     python benchmarks/query_speed.py            # N=256, 1,000 queries, 5 rounds
     python benchmarks/query_speed.py --quick
@@ -22,13 +22,11 @@ import sys
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from harness import machine_facts, model_description, run_interleaved
 
-from pgd_speed import machine_facts, model_description, run_interleaved  # noqa: E402
-
-from jaxbundle import attacks, bundler  # noqa: E402
-from jaxbundle.data import load_mnist_sample  # noqa: E402
-from jaxbundle.models import SmallCNN  # noqa: E402
+from jaxbundle import attacks, bundler
+from jaxbundle.data import load_mnist_sample
+from jaxbundle.models import SmallCNN
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     variants = {"floor_forwards": lambda: forwards(params, x)}
     for name, (attack, norm, eps) in built.items():
         variants[name] = (
-            lambda a=attack, nm=norm, e=eps: bundler.bundle([a], module.apply, params, x, y, key, eps=e, norm=nm)
+            lambda a=attack, nm=norm, e=eps: bundler.bundle(
+                [a], module.apply, params, x, y, key, eps=e, norm=nm)
         )
     res = run_interleaved(variants, args.repeats, f"queries N={args.n}")
     loads = res.pop("_load_avg_per_round")
@@ -87,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
             "times_s": r["times_s"],
         }
         print(f"{name:24s} {attack.queries:5d} queries  median {r['median_s'] * 1e3:8.1f} ms  "
-              f"ratio {rows[name]['ratio_to_floor']:5.2f}  ratio(min) {rows[name]['ratio_min_to_floor_min']:5.2f}")
+              f"ratio {rows[name]['ratio_to_floor']:5.2f}  "
+              f"ratio(min) {rows[name]['ratio_min_to_floor_min']:5.2f}")
     out = {"machine": machine_facts(), "model_facts": model_description(module, params),
            "n": args.n, "per_query_s": per_query, "per_query_min_s": per_query_min,
            "load_avg_per_round": loads, "floor": res["floor_forwards"], "attacks": rows}
