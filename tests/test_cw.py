@@ -13,7 +13,9 @@ from jaxbundle import losses, norms
 from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel, per_example_keys
 from jaxbundle.attacks.cw import (
     CWState,
+    abort_check,
     cw,
+    cw_reference,
     from_tanh_space,
     hinge,
     objective_gradient,
@@ -76,7 +78,7 @@ def _at(tree, t):
 def test_factory_fields_and_defaults():
     attack = cw()
     assert isinstance(attack, Attack)
-    assert attack.name == "cw-l2" and attack.kind == "white-box" and attack.norm == "l2"
+    assert attack.name == "cw-l2-light" and attack.kind == "white-box" and attack.norm == "l2"
     assert attack.goal == "min_norm" and attack.num_restarts == 1
     assert attack.gradients_per_step == 1
     assert attack.num_steps == 9 * 100
@@ -86,6 +88,61 @@ def test_factory_fields_and_defaults():
     hash(attack)
     assert cw(steps=7, search_steps=3, name="cw-short").num_steps == 21
     assert cw(name="cw-short").name == "cw-short"
+    assert not attack.config.abort_early
+
+
+def test_reference_budget_is_the_reference_codes():
+    """nn_robust_attacks l2_attack.py: MAX_ITERATIONS 10000, ABORT_EARLY, INITIAL_CONST 1e-3,
+    BINARY_SEARCH_STEPS 9, LEARNING_RATE 1e-2; reported as plain "cw-l2", the light one not."""
+    ref = cw_reference()
+    c = ref.config
+    assert (c.steps, c.search_steps, c.initial_const, c.learning_rate, c.abort_early) == (
+        10_000, 9, 1e-3, 1e-2, True
+    )
+    assert ref.num_steps == 90_000 and ref.name == "cw-l2" and ref.goal == "min_norm"
+    assert cw().name != ref.name and "light" in cw().name
+    with pytest.raises(ValueError, match="steps"):
+        cw_reference(max_iterations=0)
+
+
+def test_abort_check_is_the_reference_rule():
+    """Checks at stage iterations 0, P, 2P (P = steps // 10); abort on < 0.01% decrease."""
+    config = cw(steps=100, abort_early=True).config
+    stage_step = jnp.array([0, 10, 10, 10, 15, 20])
+    loss = jnp.array([5.0, 0.99995, 0.9998, 2.0, 2.0, 1.0])
+    prev = jnp.array([np.inf, 1.0, 1.0, 1.0, 1.0, 1.0])
+    abort, new_prev = abort_check(config, stage_step, loss, prev)
+    np.testing.assert_array_equal(abort, [False, True, False, True, False, True])
+    np.testing.assert_array_equal(new_prev, np.float32([5.0, 0.99995, 0.9998, 2.0, 1.0, 1.0]))
+    off, same = abort_check(cw(steps=100).config, stage_step, loss, prev)
+    assert not np.asarray(off).any()
+    np.testing.assert_array_equal(same, prev)
+
+
+def test_abort_early_ends_stages_per_example_and_freezes_after_the_last():
+    """On a linear model the objective stalls long before 200 steps: with abort_early every
+    example finishes its 3 stages early, then its iterate no longer moves; without it, stages
+    end exactly every ``steps`` iterations."""
+    model, x, y, eps, keys = _setup(n=16, seed=3)
+    attack = cw(steps=200, search_steps=3, abort_early=True)
+    _, (states, cands) = _scan(attack, model, x, y, eps, keys)
+    stage = np.asarray(states.stage)  # [T, B]
+    assert np.all(np.diff(stage, axis=0) >= 0) and np.all(stage[-1] == 3)
+    first_done = np.argmax(stage == 3, axis=0)
+    assert np.all(first_done < 3 * 200 - 1), "every example aborted some stage early"
+    assert len(set(first_done.tolist())) > 1, "examples move through stages at their own pace"
+    xs = np.asarray(states.x)
+    for b, t in enumerate(first_done):
+        np.testing.assert_array_equal(xs[t:, b], np.broadcast_to(xs[t, b], xs[t:, b].shape))
+    r = bundle([attack], linear_apply, model.params, x, y, KEY, eps=0.5, norm="l2",
+               judging="float")
+    assert np.asarray(r.best["min_norm"].score.misclassified).all()
+    plain = cw(steps=20, search_steps=3)
+    _, (pstates, _) = _scan(plain, model, x, y, eps, keys)
+    expected = (np.arange(1, 61) // 20).clip(max=3)
+    np.testing.assert_array_equal(
+        np.asarray(pstates.stage), np.broadcast_to(expected[:, None], (60, 16))
+    )
 
 
 @pytest.mark.parametrize(

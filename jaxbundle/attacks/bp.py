@@ -1,7 +1,7 @@
-"""BP, the Boundary Projection attack (Zhang, Avrithis, Furon & Amsaleg 2020, "Walking on the
-Edge: Fast, Low-Distortion Adversarial Examples", IEEE TIFS), with the stage-1 step size of
-RoBIC (Pautrat, Maho, Furon et al. 2021, "RoBIC: a benchmark suite for assessing classifiers
-robustness"), whose white-box attack it is. Minimum-norm, untargeted, L2.
+"""A VARIANT of BP, the Boundary Projection attack (Zhang, Avrithis, Furon & Amsaleg 2020,
+"Walking on the Edge: Fast, Low-Distortion Adversarial Examples", IEEE TIFS), with the
+stage-1 step size of RoBIC (Pautrat, Maho, Furon et al. 2021, "RoBIC: a benchmark suite
+for assessing classifiers robustness"), whose white-box attack it is. Minimum-norm, untargeted, L2.
 
 Notation, per example: ``x0`` the clean image, ``x`` the iterate, ``r = x - x0``;
 the loss is the logit margin ``l(x) = z_y - max_{j != y} z_j`` (positive exactly while the
@@ -39,9 +39,11 @@ gradient was taken, with its logits: the bundler's min-norm goal keeps the small
 one across the walk. On a linear model the out step is the exact projection onto the boundary
 (up to the kept depth), so the walk converges to the minimal perturbation in a few steps.
 
-Differences from the paper, by design: the out and in steps use the first-order distance ``s``
-(the paper steps in the tangent hyperplane through ``x`` and reaches a target norm
-``||r|| / gamma_k`` in the in case); the paper's quantisation-aware search is left to the
+This is a variant, not the authors' algorithm (reported as ``"bp-variant"``): the loss (the
+logit margin), the stage-1 step and the out and in steps above are this library's, not those of
+the authors' reference implementation. Differences from the paper, by design: the out and in
+steps use the first-order distance ``s`` (the paper steps in the tangent hyperplane through
+``x`` and reaches a target norm ``||r|| / gamma_k`` in the in case); the paper's quantisation-aware search is left to the
 judge, which rounds the reported image; with ``quantize=True`` (default) every iterate of an
 example judged on the grid is rounded to the grid, so the walk moves on judged images; L2 only.
 """
@@ -54,7 +56,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxbundle import losses, norms
-from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel
+from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel, check_count
 
 __all__ = ["BPConfig", "BPState", "init", "step", "bp", "schedule", "in_step", "out_step"]
 
@@ -173,15 +175,14 @@ def bp(
         whose smallest adversarial candidate sits just past the boundary, where the judge's
         rounding may undo it (under ``judging="float"``, or for off-grid data, the two are
         the same).
-      name: report name; default ``"bp"``.
+      name: report name; default ``"bp-variant"`` (a variant of the authors' algorithm).
 
     Returns:
       An :class:`~jaxbundle.attacks.base.Attack` with ``goal="min_norm"``.
     """
     if norms.check_norm(norm) != "l2":
         raise ValueError(f"bp supports only the norm 'l2', not {norm!r}")
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"bp needs an integer steps >= 1, got {steps!r}")
+    check_count("bp", "steps", steps)
     if not 0.0 < gamma_min <= gamma_max <= 1.0:
         raise ValueError(
             f"bp needs 0 < gamma_min <= gamma_max <= 1, got gamma_min={gamma_min}, gamma_max={gamma_max}"
@@ -189,7 +190,7 @@ def bp(
     if not 0.0 <= overshoot < 1.0:
         raise ValueError(f"bp overshoot must lie in [0, 1), got {overshoot}")
     return Attack(
-        name=name or "bp",
+        name=name or "bp-variant",
         kind="white-box",
         norm=norm,
         num_steps=steps,

@@ -22,12 +22,11 @@ Euclidean one (:func:`jaxbundle.norms.project_ball`). Every iterate is a candida
 bundler's min-norm goal keeps ``delta*`` itself; the state only needs its norm.
 
 Defaults: ``steps=100``, ``gamma_init=0.05``, ``gamma_final=0.001``,
-``alpha_final=alpha_init / 100`` (the authors' code), ``alpha_init`` 1.0 for L2 and L1 (the
-authors' code default) and 10.0 for Linf: the L2-normalised step is short against an Linf ball,
-and the authors' answer to that is a larger alpha for Linf, which the paper's experiments use.
-(The paper's per-norm table could not be checked here; on the linear oracle with the box binding,
-L1 with ``alpha_init=10`` stalls before the first adversarial, since the L1 projection then puts
-most of eps_k on pixels the box clips, while 1.0 finds all.)
+``alpha_final=alpha_init / 100`` and ``alpha_init = 1.0`` for every norm, as in both
+reference implementations (pralab/Fast-Minimum-Norm-Adversarial-Attack and
+jeromerony/adversarial-library ``fmn``: ``alpha_init=1.0`` whatever the norm). An earlier
+version used 10.0 for Linf, for which no source was found; pass ``alpha_init=10.0`` to get it
+(experiments/fidelity_cw_fmn_bp.py compares the two on the demo model).
 
 Details and deviations:
 
@@ -57,11 +56,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxbundle import losses, norms
-from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel
+from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel, check_count
 
 __all__ = ["FMNConfig", "FMNState", "DEFAULT_ALPHA_INIT", "cosine", "init", "step", "fmn"]
 
-DEFAULT_ALPHA_INIT = {"l2": 1.0, "linf": 10.0, "l1": 1.0}
+DEFAULT_ALPHA_INIT = {"l2": 1.0, "linf": 1.0, "l1": 1.0}  # both reference codes
 _TINY = 1e-12
 
 
@@ -149,7 +148,7 @@ def fmn(
     Args:
       norm: ``"linf"``, ``"l2"`` or ``"l1"``.
       steps: gradient steps (one gradient each). Default 100.
-      alpha_init: first step size; ``None``: 10.0 for Linf, 1.0 for L2 and L1.
+      alpha_init: first step size; ``None``: 1.0 (the reference codes, every norm).
       alpha_final: last step size; ``None``: ``alpha_init / 100``.
       gamma_init, gamma_final: first and last relative eps update. Defaults 0.05 and 0.001.
       boundary_slack: before the first adversarial, set ``eps_k`` to ``(1 + gamma_k)`` times the
@@ -161,8 +160,7 @@ def fmn(
       An :class:`~jaxbundle.attacks.base.Attack` with ``goal="min_norm"``.
     """
     norms.check_norm(norm)
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"fmn needs steps >= 1, got {steps!r}")
+    check_count("fmn", "steps", steps)
     alpha_init = DEFAULT_ALPHA_INIT[norm] if alpha_init is None else alpha_init
     alpha_final = alpha_init / 100 if alpha_final is None else alpha_final
     for label, value in (("alpha_init", alpha_init), ("alpha_final", alpha_final)):
