@@ -278,7 +278,7 @@ def still_improving(attack: Attack, running: Running) -> jax.Array:
     more than ``PROGRESS`` of its whole rise from the clean image: more steps would likely have
     gone further."""
     if window_start(attack) >= attack.num_steps:
-        return jnp.zeros(running.keys.shape, bool)
+        return jnp.zeros(running.clean.score.margin.shape, bool)
     final = jnp.max(running.best["misclassify"].score.margin, axis=0)
     early = jnp.max(running.early, axis=0)
     clean = running.clean.score.margin

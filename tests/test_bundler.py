@@ -310,3 +310,16 @@ def test_restart_mode_map_and_unrolling_give_the_default_result(stochastic):
                      jax.tree.map(np.asarray, got.best), jax.tree.map(np.asarray, default.best))
         np.testing.assert_array_equal(np.asarray(got.attack_success),
                                       np.asarray(default.attack_success))
+
+
+def test_raw_uint32_keys_work_like_typed_keys():
+    """``jax.random.PRNGKey`` keys (uint32 [2]) give the typed key's result, also where the
+    still-improving indicator does not apply (a black-box attack, a 2-step PGD)."""
+    params, x, y = linear_problem(n=8, k=4, seed=2)
+    bundle_ = [attacks.pgd(steps=2), attacks.square("linf", queries=5)]
+    run = lambda k: bundle(bundle_, linear_apply, params, images(x), jnp.asarray(y), k,  # noqa: E731
+                           eps=0.05)
+    raw, typed = run(jax.random.PRNGKey(3)), run(jax.random.key(3))
+    assert raw.attack_improving.shape == typed.attack_improving.shape == (2, 8)
+    for a, b in zip(jax.tree.leaves(raw.best), jax.tree.leaves(typed.best)):
+        np.testing.assert_array_equal(a, b)
