@@ -10,7 +10,9 @@ import pytest
 
 from jaxbundle import norms
 from jaxbundle.attacks.base import Attack, Candidate, LabelOracle, per_example_keys
-from jaxbundle.attacks.rays import NONE_FOUND, _advance, flip_mask, max_stage, rays
+from jaxbundle.attacks.rays import (
+    NONE_FOUND, _advance, block_order, flip_mask, max_stage, ray_image, rays,
+)
 from jaxbundle.bundler import bundle
 from toys import KEY, images, linear_apply, linear_problem, min_distance, run_steps as _run
 
@@ -80,6 +82,67 @@ def test_schedule_visits_every_block_then_every_pixel(dim):
         np.testing.assert_array_equal(np.sum(masks, axis=0), 1)  # a partition of the pixels
     np.testing.assert_array_equal(np.asarray(seen[max_stage(dim)]), np.eye(dim, dtype=bool))
     assert np.asarray(seen[0]).all()
+
+
+def _reference_mask(shape, stage, block):
+    """The reference's block (uclaml/RayS flattens a channels-first tensor): block ``block``
+    of ``min(2^s, D)`` over the ``(C, H, W)`` flattening, returned channels last."""
+    h, w, c = shape
+    dim = h * w * c
+    n = min(2**stage, dim)
+    flat = np.ones(dim)
+    flat[(block * dim) // n : ((block + 1) * dim) // n] = -1
+    return flat.reshape(c, h, w).transpose(1, 2, 0)
+
+
+def test_colour_blocks_are_cut_channels_first():
+    """On an RGB image stage 1's first block is the red plane and the top half of the green one
+    (the first half of the (C, H, W) vector), not the top half of the image in all channels;
+    every block of every stage is the reference's."""
+    shape = (4, 4, 3)
+    assert block_order(shape) == (3, 4, 4)
+    mask = np.asarray(flip_mask(shape, jnp.array([1]), jnp.array([0])))[0]
+    expected = np.ones(shape)
+    expected[:, :, 0] = -1
+    expected[:2, :, 1] = -1
+    np.testing.assert_array_equal(mask, expected)
+    for s in range(max_stage(48) + 1):
+        for j in range(min(2**s, 48)):
+            got = np.asarray(flip_mask(shape, jnp.array([s]), jnp.array([j])))[0]
+            np.testing.assert_array_equal(got, _reference_mask(shape, s, j), err_msg=f"{s=} {j=}")
+
+
+def test_grayscale_block_order_is_the_plain_flattening():
+    """One channel: channels first and channels last flatten alike (MNIST is unchanged)."""
+    shape = (4, 5, 1)
+    assert block_order(shape) == (1, 4, 5)
+    for s in range(max_stage(20) + 1):
+        for j in range(min(2**s, 20)):
+            got = np.asarray(flip_mask(shape, jnp.array([s]), jnp.array([j])))[0]
+            flat = np.asarray(flip_mask((20,), jnp.array([s]), jnp.array([j])))[0]
+            np.testing.assert_array_equal(got, flat.reshape(shape))
+            np.testing.assert_array_equal(got, _reference_mask(shape, s, j))
+
+
+def test_step_queries_the_channels_first_block():
+    """A check step on a colour image queries the best direction with the reference's block
+    flipped, just below the best radius."""
+    shape = (4, 4, 3)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(np.round((0.5 + 0.05 * rng.uniform(-1, 1, (2,) + shape)) * 255) / 255,
+                    jnp.float32)
+    params = {"w": jnp.asarray(rng.normal(size=(48, 3)), jnp.float32), "b": jnp.zeros(3)}
+    model = LabelOracle(linear_apply, params)
+    y = jnp.argmax(linear_apply(params, x), axis=1)
+    a = rays(steps=1)
+    state = a.init(a.config, per_example_keys(KEY, jnp.arange(2)), x, y, None, model, 0)
+    state = state._replace(searching=jnp.zeros(2, bool), k_best=jnp.full(2, 40, jnp.int32),
+                           stage=jnp.array([1, 2]), block=jnp.array([0, 3]))
+    _, cand = a.step(a.config, state, model)
+    for i, (s, j) in enumerate([(1, 0), (2, 3)]):
+        d = jnp.asarray(_reference_mask(shape, s, j), jnp.float32)[None]
+        want = ray_image(x[i : i + 1], d, jnp.array([39]))
+        np.testing.assert_array_equal(np.asarray(cand.x[i : i + 1]), np.asarray(want))
 
 
 def test_iterates_feasible_and_state_consistent():

@@ -39,7 +39,15 @@ Details and deviations:
 
 * Radii are pixel levels, not the paper's continuous binary search to a tolerance (see above).
 * Blocks split the flattened input (all channels) at ``floor(j D / n)`` with ``n = min(2^s, D)``
-  blocks at stage ``s = 0..ceil(log2 D)``: the last stage flips single pixels.
+  blocks at stage ``s = 0..ceil(log2 D)``: the last stage flips single pixels. The reference
+  (uclaml/RayS, ``attack_hard_label``) cuts ``ceil(D / 2^s)``-sized blocks instead; the two
+  coincide when ``2^s`` divides ``D``. After the single-pixel stage the reference stays at
+  single pixels; here the cycle starts again from the whole vector.
+* Block order is the reference's: a channels-last image ``(H, W, C)`` is flattened channels
+  first, ``(C, H, W)`` (:func:`block_order`), as PyTorch's tensors are, so for RGB stage 1's
+  first block is the red plane and the top half of the green one (in channels-last order it
+  would be the top half of the image in all three channels); for one channel (MNIST) the two
+  orders are the same.
 * Restart ``r > 0`` starts from a random sign vector instead of the all-ones direction.
 * No early stop at ``r_best <= eps`` (the paper's robust-accuracy mode): the program is static
   and the min-norm goal wants the smallest radius anyway.
@@ -54,9 +62,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxbundle import norms
-from jaxbundle.attacks.base import Attack, Candidate, LabelOracle
+from jaxbundle.attacks.base import Attack, Candidate, LabelOracle, check_count
 
-__all__ = ["RaySConfig", "RaySState", "ray_image", "flip_mask", "init", "step", "rays"]
+__all__ = [
+    "RaySConfig", "RaySState", "ray_image", "block_order", "flip_mask", "init", "step", "rays",
+]
 
 LEVELS = norms.PIXEL_LEVELS  # radius levels: k / 255
 NONE_FOUND = LEVELS + 1  # k_best before any adversarial direction is known
@@ -100,9 +110,24 @@ def num_blocks(stage: jax.Array, dim: int) -> jax.Array:
     return jnp.minimum(jnp.left_shift(1, stage), dim)
 
 
+def block_order(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape whose C-order flattening numbers the pixels for the blocks: ``(C, H, W)`` for
+    a channels-last image ``(H, W, C)`` (the reference flattens PyTorch's channels-first
+    tensors, so a block is a run of one channel's rows, and the first half of the vector is the
+    first channels), else ``shape`` itself (for one channel, or inputs of another rank, the
+    order is the plain flattening)."""
+    return (shape[2], shape[0], shape[1]) if len(shape) == 3 else shape
+
+
+def from_block_order(mask: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """``[B, *block_order(shape)]`` back to ``[B, *shape]`` (channels last again)."""
+    return jnp.moveaxis(mask, 1, -1) if len(shape) == 3 else mask
+
+
 def flip_mask(shape: tuple[int, ...], stage: jax.Array, block: jax.Array) -> jax.Array:
     """``[B, *shape]`` signs: -1 on block ``block`` of the ``n = min(2^s, D)`` blocks of the
-    flat input.
+    flat input, flattened channels first (:func:`block_order`, as the reference's
+    ``sgn.view(B, D)`` of a ``(C, H, W)`` tensor).
 
     Block ``j`` covers flat indices ``[floor(j D / n), floor((j + 1) D / n))``, never empty. float32
     is exact here: ``D / n`` is ``D`` over a power of two or 1, and the products stay below 2^24.
@@ -113,7 +138,8 @@ def flip_mask(shape: tuple[int, ...], stage: jax.Array, block: jax.Array) -> jax
     end = jnp.floor((block + 1).astype(jnp.float32) * size)
     i = jnp.arange(dim, dtype=jnp.float32)[None, :]
     inside = (i >= start[:, None]) & (i < end[:, None])
-    return jnp.where(inside, -1.0, 1.0).reshape((-1,) + shape)
+    signs = jnp.where(inside, -1.0, 1.0).reshape((-1,) + block_order(shape))
+    return from_block_order(signs, shape)
 
 
 def _advance(stage: jax.Array, block: jax.Array, dim: int) -> tuple[jax.Array, jax.Array]:
@@ -207,12 +233,8 @@ def rays(
       A decision-based :class:`~jaxbundle.attacks.base.Attack` with ``goal="min_norm"``,
       ``init_queries=1`` and ``queries_per_step=1``.
     """
-    if not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"rays needs steps >= 1, got {steps!r}")
-    if not isinstance(search_steps, int) or search_steps < 1:
-        raise ValueError(f"rays needs search_steps >= 1, got {search_steps!r}")
-    if not isinstance(restarts, int) or restarts < 1:
-        raise ValueError(f"rays needs restarts >= 1, got {restarts!r}")
+    for label, value in (("steps", steps), ("search_steps", search_steps), ("restarts", restarts)):
+        check_count("rays", label, value)
     return Attack(
         name=name or "rays",
         kind="decision-based",
