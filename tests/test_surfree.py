@@ -79,6 +79,8 @@ def test_factory_defaults_and_budget():
         (dict(theta_max=0.0), "theta_max"),
         (dict(theta_max=91.0), "theta_max"),
         (dict(rho=1.0), "rho"),
+        (dict(gamma=-0.1), "gamma"),
+        (dict(gamma=1.0), "gamma"),
         (dict(history=0), "history"),
         (dict(basis="haar"), "basis"),
         (dict(frequency_ratio=0.0), "frequency_ratio"),
@@ -224,3 +226,76 @@ def test_queries_follow_the_judging():
     s = r.best["min_norm"]
     assert np.asarray(s.score.misclassified).any()
     assert not _on_grid(s.x)
+
+
+# ---------------------------------------------------------------------------------------------
+# The angle search against the reference (t-maho/SurFree, _alpha_binary_search): on a ball
+# oracle everything farther than `radius` from x0 is adversarial, so on a circle of diameter 1
+# the adversarial angles are exactly those with cos θ > radius.
+
+BALL_SHAPE = (8, 8, 1)
+BALL_X0 = jnp.full((8,) + BALL_SHAPE, 0.5 + 1e-3, jnp.float32)  # off the grid: no rounding
+
+
+def _ball_run(radius, queries, **kwargs):
+    """States after each query, from x_b = x0 + (1/8, ..., 1/8) (distance 1), phase SEARCH."""
+
+    def apply(centre, x):
+        r = jnp.linalg.norm((x - centre[None]).reshape(x.shape[0], -1), axis=1)
+        return jnp.stack([radius - r, jnp.zeros_like(r)], axis=1)
+
+    model = LabelOracle(apply, BALL_X0[0])
+    a = surfree(queries=1000, queries_per_step=1, basis="gaussian", **kwargs)
+    y = jnp.zeros(8, jnp.int32)
+    state = a.init(a.config, KEYS[:8], BALL_X0, y, None, model, 0)
+    state = state._replace(x=BALL_X0 + 1 / 8, phase=jnp.zeros_like(state.phase),
+                           index=jnp.zeros_like(state.index))
+    step = jax.jit(lambda s: a.step(a.config, s, model)[0])
+    states = [state]
+    for _ in range(queries):
+        states.append(step(states[-1]))
+    return states
+
+
+def _first_circle(states):
+    """The states of the first circle's queries, up to the one that starts the next circle."""
+    for k in range(1, len(states)):
+        if int(states[k].phase[0]) == 0 and int(states[k].index[0]) == 0:
+            return states[: k + 1]
+    raise AssertionError("the first circle did not end")
+
+
+def _distance(x):
+    return np.linalg.norm(np.asarray(x - BALL_X0).reshape(8, -1), axis=1)
+
+
+def test_success_at_the_largest_angle_extends_past_theta_max():
+    """radius 0.3: every angle below arccos 0.3 = 72.5° is adversarial. The first trial (+30°)
+    succeeds; the reference then steps the angle on by θ_max / T while it stays adversarial
+    (its upper-range loop) and bisects from there, so the first circle ends near the ball
+    (distance 0.3), not at cos(30° + 10°) = 0.77 or farther (a refinement capped at
+    θ_max + θ_max / T)."""
+    circle = _first_circle(_ball_run(0.3, 30))
+    d = _distance(circle[-1].x)
+    assert np.all(d >= 0.3) and np.all(d < 0.4), d
+    assert np.all(d < np.cos(np.radians(40.0)) - 0.3)
+
+
+def test_angle_bisection_stops_at_gamma():
+    """radius 0.9 (adversarial below 25.8°): ±30° fail, +20° succeeds, REFINE bisects [20°, 30°]
+    and stops (reference rule) at the first |cos(hi) - cos(lo)| <= gamma = 0.01: after 3
+    bisections, not search_steps = 7; the queries left go to the next circle. gamma = 0: all
+    7."""
+    for gamma, bisections in ((None, 3), (0.0, 7)):
+        kwargs = {} if gamma is None else {"gamma": gamma}
+        circle = _first_circle(_ball_run(0.9, 14, **kwargs))
+        phases = [int(s.phase[0]) for s in circle]
+        assert phases[:3] == [0, 0, 0] and phases[-1] == 0
+        refine = [s for s in circle if int(s.phase[0]) == 1]
+        assert len(refine) == bisections, phases
+        gap = lambda s: np.abs(np.cos(np.asarray(s.hi)) - np.cos(np.asarray(s.lo)))
+        if gamma is None:
+            assert all(np.all(gap(s) > 0.01) for s in refine)
+            assert np.all(gap(circle[-1]) <= 0.01)
+        d = _distance(circle[-1].x)
+        assert np.all(d >= 0.9) and np.all(d < np.cos(np.radians(25.0)) + 1e-3)

@@ -22,14 +22,39 @@ a slice of the paper's sequential algorithm and no query is wasted on a static s
    mapped back to pixels; ``basis="gaussian"`` draws white Gaussian noise instead. It is made
    orthogonal (Gram-Schmidt) to ``u`` and to the last ``history`` directions, kept in a
    circular buffer of static size; ``v`` is its normalisation.
-2. Sign / angle search. The circle with diameter ``[x0, x_b]`` in the plane ``(u, v)``,
-   ``z(θ) = x0 + ||r|| cos θ (u cos θ + v sin θ)``, lies closer to ``x0`` than ``x_b``
-   (``||z(θ) - x0|| = ||r|| cos θ``). Up to ``2 * trials`` queries try
+2. Sign / angle search (SEARCH). The circle with diameter ``[x0, x_b]`` in the plane
+   ``(u, v)``, ``z(θ) = x0 + ||r|| cos θ (u cos θ + v sin θ)``, lies closer to ``x0`` than
+   ``x_b`` (``||z(θ) - x0|| = ||r|| cos θ``). Up to ``2 * trials`` queries try
    ``θ = +θ_max (1 - k / trials), -θ_max (1 - k / trials)``, ``k = 0, 1, ...``, stopping at
-   the first adversarial one; if none is, ``θ_max <- rho θ_max`` and back to 1.
-3. Refinement. ``search_steps`` bisection queries on ``|θ|`` between the adversarial angle and
-   the next larger one ``|θ| + θ_max / trials`` (capped at π/2, which is ``x0``);
-   ``θ_max <- θ_max / rho`` (capped at π/2); back to 1.
+   the first adversarial one; if none is, ``θ_max <- rho θ_max`` and back to 1. On a success
+   ``θ_max <- θ_max / rho`` (capped at π/2).
+3. Upper end (EXTEND). Below the largest angle (``k > 0``) the next larger one, ``|θ| +
+   θ_max / trials``, was tried and failed on both sides: it is the bisection's upper end. At
+   the largest angle (``k = 0``) nothing larger was tried, so, as the reference's
+   ``_alpha_binary_search`` does, the angle steps on by ``θ_max / trials`` (the updated
+   ``θ_max``; capped at π/2, which is ``x0``), one query each, while it stays adversarial; the
+   first that is not is the upper end. The angle can so grow past ``θ_max``. (The reference
+   tests "at the largest angle" as ``|lower| == theta_max`` after ``theta_max`` got its
+   ``1 / rho``, so for a lone image the loop never runs, and in a batch only when other
+   images' extra search rounds have shrunk this one's ``theta_max`` back; this implements
+   what the loop is for.)
+4. Refinement (REFINE). Bisection queries on ``|θ|`` between the adversarial angle and the
+   upper end, at most ``search_steps`` (the reference's ``BS_max_iteration``), stopping early,
+   as the reference does, once ``|cos(hi) - cos(lo)| <= gamma`` (its ``BS_gamma``, 0.01; the
+   check is made before each bisection, so an interval that already meets it is not
+   bisected). Back to 1; the queries a stop saves go to the next direction.
+
+The noise-blend bisections (init, and BLEND) stop by the reference's ``_binary_search`` rule,
+``hi - lo <= gamma / (D sqrt D)``, or after ``init_search_steps`` queries. In init, whose
+query count is static, the queries after a stop are still made but ignored; with the
+defaults the rule needs more bisections than ``init_search_steps`` (22 on MNIST), so it never
+fires there. Not implemented from the reference's angle bisection: its second query per
+bisection on the opposite side (``-mid``) of a positive angle.
+
+Each query is one move of a per-example state machine (``_query``): ``_new_circle`` where
+a circle starts, ``_angle`` and ``_query_point`` for the query of the example's phase, then
+one pure function per phase for its move (``_after_search``, ``_after_extend``,
+``_after_refine``, ``_after_noise``, ``_after_blend``), selected by phase with ``where``.
 
 Every query point is clipped to the box and, for an example judged on the 8-bit grid, rounded
 to it (:func:`jaxbundle.norms.snap_to_grid`) before the oracle sees it, so the image the
@@ -39,7 +64,8 @@ always the closest such image the oracle has labelled wrong. The budget is exact
 
 Defaults follow the paper: ``θ_max`` = 30°, ``rho = 0.98``, ``history = 100`` (its
 ``n_ortho``), ``search_steps = 7`` (its binary-search length), DCT directions with
-``frequency_ratio = 0.5``; ``trials = 3`` (its ``T``, as we read it). The factory derives
+``frequency_ratio = 0.5``, ``gamma = 0.01`` (its ``BS_gamma``); ``trials = 3`` (its ``T``, as
+we read it). The factory derives
 ``num_steps = (queries // restarts - init_queries) // queries_per_step``: with the default
 5,000 queries, ``init_queries = 20`` and ``queries_per_step = 10``, that is 498 steps and
 5,000 queries. The paper's optional boundary interpolation and distance line search are not
@@ -59,7 +85,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxbundle import norms
-from jaxbundle.attacks.base import Attack, Candidate, LabelOracle
+from jaxbundle.attacks.base import Attack, Candidate, LabelOracle, check_count
 
 __all__ = [
     "SurFreeConfig",
@@ -69,6 +95,7 @@ __all__ = [
     "REFINE",
     "NOISE",
     "BLEND",
+    "EXTEND",
     "init_queries",
     "sample_directions",
     "orthogonalize",
@@ -84,6 +111,7 @@ SEARCH = 0  # angle search on the current circle (index = trial; index 0 draws a
 REFINE = 1  # bisection on the angle (index = bisection queries done)
 NOISE = 2  # no adversarial point yet: try a fresh noise image
 BLEND = 3  # bisection on x0 + (1 - p) (noise - x0) from a fooling noise image
+EXTEND = 4  # past a success at the largest angle: step the angle on until one is not adversarial
 
 
 class SurFreeConfig(NamedTuple):
@@ -92,7 +120,8 @@ class SurFreeConfig(NamedTuple):
     init_trials: int  # uniform-noise images tried in init
     init_search_steps: int  # bisection queries on a noise blend (init, and BLEND phase)
     trials: int  # angles per sign in the angle search (the paper's T)
-    search_steps: int  # bisection queries on the angle (REFINE phase)
+    search_steps: int  # most bisection queries on the angle (REFINE phase)
+    gamma: float  # early stop of the bisections (the reference's BS_gamma); 0: none
     theta_max: float  # initial largest angle, radians
     rho: float  # theta_max adaptation factor, in (0, 1)
     history: int  # previous directions kept for Gram-Schmidt (the paper's n_ortho)
@@ -104,13 +133,13 @@ class SurFreeState(NamedTuple):
     x: jax.Array  # [B, ...] closest adversarial point so far (quantised), or x0 if none yet
     x0: jax.Array  # [B, ...] clean images
     y: jax.Array  # [B] labels
-    phase: jax.Array  # int32 [B]: SEARCH, REFINE, NOISE or BLEND
+    phase: jax.Array  # int32 [B]: SEARCH, EXTEND, REFINE, NOISE or BLEND
     index: jax.Array  # int32 [B]: trial (SEARCH) or bisection queries done (REFINE, BLEND)
     u: jax.Array  # [B, D] unit r = x_b - x0 of the current circle (BLEND: noise - x0)
     v: jax.Array  # [B, D] unit direction of the current circle, orthogonal to u
     dist: jax.Array  # [B] ||r|| of the current circle (BLEND: ||noise - x0||)
     lo: jax.Array  # [B] bisection: adversarial end (|theta|, or p for BLEND)
-    hi: jax.Array  # [B] bisection: non-adversarial end
+    hi: jax.Array  # [B] bisection: non-adversarial end (EXTEND: not known yet)
     sign: jax.Array  # [B] +1 / -1: side of the circle being refined
     theta_max: jax.Array  # [B] current largest angle, radians
     directions: jax.Array  # [B, history, D] unit directions drawn lately (zeros: empty slots)
@@ -206,14 +235,19 @@ def init(config: SurFreeConfig, keys, x0, y, eps, model: LabelOracle, restart) -
     first = jnp.argmax(fooled, axis=0)  # first adversarial noise (0 when none)
     start = jnp.take_along_axis(noise, first.reshape((1, -1) + (1,) * len(shape)), axis=0)[0]
 
+    dim = math.prod(shape)
+
     def bisect(carry, _):
+        # Here lo is the clean end (t = 0) and hi the adversarial one (t = 1). The query is
+        # made every time (init's count is static); once the stopping rule holds it is ignored.
         lo, hi, x_adv = carry
         mid = (lo + hi) / 2
         x_mid = _quantized(x0 + norms.per_example(mid, x0) * (start - x0), x0, model.grid)
+        active = ~_blend_converged(config, lo, hi, dim)
         adv = _fooled(model, x_mid, y)
-        lo = jnp.where(adv, lo, mid)
-        hi = jnp.where(adv, mid, hi)
-        x_adv = jnp.where(norms.per_example(adv, x0), x_mid, x_adv)
+        lo = jnp.where(active & ~adv, mid, lo)
+        hi = jnp.where(active & adv, mid, hi)
+        x_adv = jnp.where(norms.per_example(active & adv, x0), x_mid, x_adv)
         return (lo, hi, x_adv), None
 
     zeros, ones = jnp.zeros(y.shape, x0.dtype), jnp.ones(y.shape, x0.dtype)
@@ -221,7 +255,7 @@ def init(config: SurFreeConfig, keys, x0, y, eps, model: LabelOracle, restart) -
         bisect, (zeros, ones, start), None, length=config.init_search_steps
     )
     x = jnp.where(norms.per_example(found, x0), x_adv, x0)
-    b, d = y.shape[0], math.prod(shape)
+    b, d = y.shape[0], dim
     zeros_bd = jnp.zeros((b, d), jnp.float32)
     return SurFreeState(
         x=x,
@@ -242,97 +276,203 @@ def init(config: SurFreeConfig, keys, x0, y, eps, model: LabelOracle, restart) -
     )
 
 
-def _query(config: SurFreeConfig, state: SurFreeState, model: LabelOracle) -> SurFreeState:
-    """One oracle query per example: one move of each example's search."""
-    shape = state.x0.shape
-    x0 = norms.flat(state.x0)
-    split = jax.vmap(lambda k: jax.random.split(k, 3))(state.key)
-    key, dir_keys, noise_keys = split[:, 0], split[:, 1], split[:, 2]
+class _Next(NamedTuple):
+    """The fields a phase's move may change (``[B]``, ``u`` ``[B, D]``)."""
 
-    # 1. A new circle where the angle search starts over.
+    phase: jax.Array
+    index: jax.Array
+    lo: jax.Array
+    hi: jax.Array
+    sign: jax.Array
+    theta_max: jax.Array
+    u: jax.Array
+    dist: jax.Array
+
+
+def _stay(state: SurFreeState) -> _Next:
+    return _Next(state.phase, state.index, state.lo, state.hi, state.sign, state.theta_max,
+                 state.u, state.dist)
+
+
+def _angle_converged(config: SurFreeConfig, lo: jax.Array, hi: jax.Array) -> jax.Array:
+    """The reference's early stop of the angle bisection (``_alpha_binary_search``): stop once
+    ``|alpha(hi) - alpha(lo)| <= gamma`` with ``alpha(θ) = 1 - cos θ`` (never when
+    ``gamma = 0``)."""
+    gap = jnp.abs(jnp.cos(hi) - jnp.cos(lo))
+    return (gap <= config.gamma) & (config.gamma > 0)
+
+
+def _blend_converged(config: SurFreeConfig, lo: jax.Array, hi: jax.Array, dim: int) -> jax.Array:
+    """The reference's early stop of the blend bisection (``_binary_search``): stop once
+    ``hi - lo <= gamma / (D sqrt D)`` (never when ``gamma = 0``)."""
+    return (hi - lo <= config.gamma / (dim * math.sqrt(dim))) & (config.gamma > 0)
+
+
+def _refine_or_search(config: SurFreeConfig, lo: jax.Array, hi: jax.Array) -> jax.Array:
+    """REFINE on the angles ``[lo, hi]``, or straight back to SEARCH when no bisection is due
+    (``search_steps = 0``, or the interval already meets the stopping rule)."""
+    done = _angle_converged(config, lo, hi) | (config.search_steps == 0)
+    return jnp.where(done, SEARCH, REFINE)
+
+
+def _new_circle(config: SurFreeConfig, state: SurFreeState, keys: jax.Array) -> SurFreeState:
+    """Phase SEARCH, trial 0: the circle through ``x_b`` with a fresh direction ``v``
+    (orthogonal to ``u`` and the buffer, then stored in it); others unchanged."""
     fresh = (state.phase == SEARCH) & (state.index == 0)
-    r = norms.flat(state.x) - x0
-    u_new = norms.unit(r)
-    t = sample_directions(dir_keys, shape[1:], config.basis, config.frequency_ratio)
-    v_new = orthogonalize(t, state.directions, u_new)
+    r = norms.flat(state.x) - norms.flat(state.x0)
+    u = norms.unit(r)
+    t = sample_directions(keys, state.x0.shape[1:], config.basis, config.frequency_ratio)
+    v = orthogonalize(t, state.directions, u)
     slot = jax.nn.one_hot(state.drawn % config.history, config.history, dtype=jnp.bool_)
     slot = slot & fresh[:, None]
-    directions = jnp.where(slot[:, :, None], v_new[:, None, :], state.directions)
-    u = jnp.where(fresh[:, None], u_new, state.u)
-    v = jnp.where(fresh[:, None], v_new, state.v)
-    dist = jnp.where(fresh, jnp.sqrt(norms.dot(r, r)), state.dist)
+    return state._replace(
+        u=jnp.where(fresh[:, None], u, state.u),
+        v=jnp.where(fresh[:, None], v, state.v),
+        dist=jnp.where(fresh, jnp.sqrt(norms.dot(r, r)), state.dist),
+        directions=jnp.where(slot[:, :, None], v[:, None, :], state.directions),
+        drawn=state.drawn + fresh.astype(jnp.int32),
+    )
 
-    # 2. The query point of each phase.
+
+def _search_angle(config: SurFreeConfig, state: SurFreeState) -> jax.Array:
+    """SEARCH: trial ``index`` is ``±θ_max (1 - (index // 2) / T)``, + first."""
     level = (state.index // 2).astype(jnp.float32)
-    trial_sign = jnp.where(state.index % 2 == 0, 1.0, -1.0)
-    trial = trial_sign * state.theta_max * (1.0 - level / config.trials)
-    mid = (state.lo + state.hi) / 2
-    theta = jnp.where(state.phase == SEARCH, trial, state.sign * mid)
-    on_circle = circle_point(x0, u, v, dist, theta)
-    on_blend = x0 + ((1.0 - mid) * dist)[:, None] * u
-    noise = _noise(noise_keys, 1, state.x0, model.grid)[0]
-    point = jnp.where((state.phase == BLEND)[:, None], on_blend, on_circle).reshape(shape)
-    at_noise = norms.per_example(state.phase == NOISE, point)
-    point = jnp.where(at_noise, noise, _quantized(point, state.x0, model.grid))
-    adv = _fooled(model, point, state.y)
+    sign = jnp.where(state.index % 2 == 0, 1.0, -1.0)
+    return sign * state.theta_max * (1.0 - level / config.trials)
 
-    # 3. Keep the closest adversarial point; move each example's search on.
+
+def _extend_angle(config: SurFreeConfig, state: SurFreeState) -> jax.Array:
+    """EXTEND: one step ``θ_max / T`` past the adversarial angle, capped at π/2 (``x0``)."""
+    return state.sign * jnp.minimum(state.lo + state.theta_max / config.trials, jnp.pi / 2)
+
+
+def _angle(config: SurFreeConfig, state: SurFreeState) -> jax.Array:
+    """The signed angle each example queries on its circle (REFINE: the bisection's middle)."""
+    theta = jnp.where(state.phase == SEARCH, _search_angle(config, state),
+                      state.sign * (state.lo + state.hi) / 2)
+    return jnp.where(state.phase == EXTEND, _extend_angle(config, state), theta)
+
+
+def _query_point(state: SurFreeState, theta: jax.Array, noise: jax.Array, grid) -> jax.Array:
+    """Each example's query image: on its circle at ``theta`` (SEARCH, EXTEND, REFINE), on the
+    noise blend ``x0 + (1 - p)(noise - x0)`` at the bisection's middle ``p`` (BLEND), or the
+    fresh noise image (NOISE); clipped and rounded like every query."""
+    x0 = norms.flat(state.x0)
+    on_circle = circle_point(x0, state.u, state.v, state.dist, theta)
+    mid = (state.lo + state.hi) / 2
+    on_blend = x0 + ((1.0 - mid) * state.dist)[:, None] * state.u
+    point = jnp.where((state.phase == BLEND)[:, None], on_blend, on_circle)
+    point = _quantized(point.reshape(state.x0.shape), state.x0, grid)
+    return jnp.where(norms.per_example(state.phase == NOISE, point), noise, point)
+
+
+def _after_search(config: SurFreeConfig, state: SurFreeState, theta, adv) -> _Next:
+    """SEARCH. An adversarial trial sets the side and ``θ_max <- θ_max / rho``; at the
+    largest angle (trials 0 and 1) the next larger one is unknown, so EXTEND; below it, the
+    next larger angle ``|θ| + θ_max / T`` failed on both sides, so REFINE on ``[|θ|, that]``.
+    All ``2T`` trials failed: ``θ_max <- rho θ_max`` and a new circle. Else the next trial."""
+    index = state.index + 1
+    lo = jnp.abs(theta)
+    largest = state.index < 2
+    hi = jnp.minimum(lo + state.theta_max / config.trials, jnp.pi / 2)
+    found = _Next(
+        phase=jnp.where(largest, jnp.where(lo < jnp.pi / 2, EXTEND, SEARCH),
+                        _refine_or_search(config, lo, hi)),
+        index=jnp.zeros_like(index),
+        lo=lo,
+        hi=jnp.where(largest, jnp.pi / 2, hi),
+        sign=jnp.sign(theta),
+        theta_max=jnp.minimum(state.theta_max / config.rho, jnp.pi / 2),
+        u=state.u,
+        dist=state.dist,
+    )
+    failed = index == 2 * config.trials
+    missed = _stay(state)._replace(
+        index=jnp.where(failed, 0, index),
+        theta_max=jnp.where(failed, state.theta_max * config.rho, state.theta_max),
+    )
+    return norms.tree_where(adv, found, missed)
+
+
+def _after_extend(config: SurFreeConfig, state: SurFreeState, theta, adv) -> _Next:
+    """EXTEND (the reference's upper-range search in ``_alpha_binary_search``): an adversarial
+    angle becomes ``lo`` and the search steps on (back to SEARCH once it reaches π/2); the
+    first non-adversarial one is ``hi``, and REFINE bisects ``[lo, hi]``."""
+    angle = jnp.abs(theta)
+    lo = jnp.where(adv, angle, state.lo)
+    hi = jnp.where(adv, state.hi, angle)
+    phase = jnp.where(adv, jnp.where(angle < jnp.pi / 2, EXTEND, SEARCH),
+                      _refine_or_search(config, lo, hi))
+    return _stay(state)._replace(phase=phase, index=jnp.zeros_like(state.index), lo=lo, hi=hi)
+
+
+def _after_refine(config: SurFreeConfig, state: SurFreeState, adv) -> _Next:
+    """REFINE: bisection on ``|θ|`` (``lo`` adversarial, ``hi`` not) until ``search_steps``
+    queries or the stopping rule (:func:`_angle_converged`); then a new circle."""
+    mid = (state.lo + state.hi) / 2
+    lo, hi = jnp.where(adv, mid, state.lo), jnp.where(adv, state.hi, mid)
+    index = state.index + 1
+    done = (index >= config.search_steps) | _angle_converged(config, lo, hi)
+    return _stay(state)._replace(phase=jnp.where(done, SEARCH, REFINE),
+                                 index=jnp.where(done, 0, index), lo=lo, hi=hi)
+
+
+def _after_noise(config: SurFreeConfig, state: SurFreeState, noise, adv) -> _Next:
+    """NOISE: a fooling noise image starts a BLEND bisection towards ``x0`` (``u``, ``dist``:
+    the unit and length of ``noise - x0``); else another noise image next time."""
+    r = norms.flat(noise) - norms.flat(state.x0)
+    zeros, ones = jnp.zeros_like(state.lo), jnp.ones_like(state.hi)
+    blend = jnp.where(_blend_converged(config, zeros, ones, r.shape[1])
+                      | (config.init_search_steps == 0), SEARCH, BLEND)
+    fooled = _stay(state)._replace(phase=blend, lo=zeros, hi=ones, u=norms.unit(r),
+                                   dist=jnp.sqrt(norms.dot(r, r)))
+    return norms.tree_where(adv, fooled, _stay(state))._replace(index=jnp.zeros_like(state.index))
+
+
+def _after_blend(config: SurFreeConfig, state: SurFreeState, adv) -> _Next:
+    """BLEND: bisection on ``p`` (``lo`` adversarial, ``hi`` not) until ``init_search_steps``
+    queries or the stopping rule (:func:`_blend_converged`); then the angle search."""
+    mid = (state.lo + state.hi) / 2
+    lo, hi = jnp.where(adv, mid, state.lo), jnp.where(adv, state.hi, mid)
+    index = state.index + 1
+    done = (index >= config.init_search_steps) | _blend_converged(config, lo, hi, state.u.shape[1])
+    return _stay(state)._replace(phase=jnp.where(done, SEARCH, BLEND),
+                                 index=jnp.where(done, 0, index), lo=lo, hi=hi)
+
+
+def _query(config: SurFreeConfig, state: SurFreeState, model: LabelOracle) -> SurFreeState:
+    """One oracle query per example: a new circle where one starts, the query of each
+    example's phase, the closest adversarial point kept, and the phase's move."""
+    split = jax.vmap(lambda k: jax.random.split(k, 3))(state.key)
+    key, dir_keys, noise_keys = split[:, 0], split[:, 1], split[:, 2]
+    state = _new_circle(config, state, dir_keys)
+    theta = _angle(config, state)
+    noise = _noise(noise_keys, 1, state.x0, model.grid)[0]
+    point = _query_point(state, theta, noise, model.grid)
+    adv = _fooled(model, point, state.y)  # the query
+
     closer = norms.norm(point - state.x0, "l2") < norms.norm(state.x - state.x0, "l2")
     keep = adv & (closer | (state.phase == NOISE))
-    x = jnp.where(norms.per_example(keep, point), point, state.x)
-
-    search, refine = state.phase == SEARCH, state.phase == REFINE
-    noise_phase, blend = state.phase == NOISE, state.phase == BLEND
-    index = state.index + 1
-    # SEARCH: success -> REFINE on [|theta|, |theta| + theta_max / T]; all failed -> new circle.
-    found_angle = search & adv
-    failed = search & ~adv & (index == 2 * config.trials)
-    lo = jnp.where(found_angle, jnp.abs(theta), state.lo)
-    hi = jnp.where(
-        found_angle, jnp.minimum(jnp.abs(theta) + state.theta_max / config.trials, jnp.pi / 2),
-        state.hi,
-    )
-    sign = jnp.where(found_angle, jnp.sign(theta), state.sign)
-    theta_max = jnp.where(
-        found_angle, jnp.minimum(state.theta_max / config.rho, jnp.pi / 2), state.theta_max
-    )
-    theta_max = jnp.where(failed, state.theta_max * config.rho, theta_max)
-    # REFINE / BLEND: bisection.
-    bisecting = refine | blend
-    lo = jnp.where(bisecting & adv, mid, lo)
-    hi = jnp.where(bisecting & ~adv, mid, hi)
-    refined = (refine & (index == config.search_steps)) | (
-        blend & (index == config.init_search_steps)
-    )
-    # NOISE: a fooling noise image starts a BLEND bisection towards x0.
-    fooled_noise = noise_phase & adv
-    r_noise = norms.flat(noise) - x0
-    u = jnp.where(fooled_noise[:, None], norms.unit(r_noise), u)
-    dist = jnp.where(fooled_noise, jnp.sqrt(norms.dot(r_noise, r_noise)), dist)
-    lo = jnp.where(fooled_noise, 0.0, lo)
-    hi = jnp.where(fooled_noise, 1.0, hi)
-
-    refine_next = jnp.where(config.search_steps > 0, REFINE, SEARCH)
-    blend_next = jnp.where(config.init_search_steps > 0, BLEND, SEARCH)
-    phase = state.phase
-    phase = jnp.where(found_angle, refine_next, phase)
-    phase = jnp.where(failed | refined, SEARCH, phase)
-    phase = jnp.where(fooled_noise, blend_next, phase)
-    restart = found_angle | failed | refined | fooled_noise
-    index = jnp.where(restart | noise_phase, 0, index)
+    moves = {
+        SEARCH: _after_search(config, state, theta, adv),
+        EXTEND: _after_extend(config, state, theta, adv),
+        REFINE: _after_refine(config, state, adv),
+        NOISE: _after_noise(config, state, noise, adv),
+        BLEND: _after_blend(config, state, adv),
+    }
+    move = moves[SEARCH]
+    for phase, other in moves.items():
+        move = norms.tree_where(state.phase == phase, other, move)
     return state._replace(
-        x=x,
-        phase=phase.astype(jnp.int32),
-        index=index.astype(jnp.int32),
-        u=u,
-        v=v,
-        dist=dist,
-        lo=lo,
-        hi=hi,
-        sign=sign,
-        theta_max=theta_max,
-        directions=directions,
-        drawn=state.drawn + fresh.astype(jnp.int32),
+        x=jnp.where(norms.per_example(keep, point), point, state.x),
+        phase=move.phase.astype(jnp.int32),
+        index=move.index.astype(jnp.int32),
+        lo=move.lo,
+        hi=move.hi,
+        sign=move.sign,
+        theta_max=move.theta_max,
+        u=move.u,
+        dist=move.dist,
         key=key,
     )
 
@@ -352,6 +492,7 @@ def surfree(
     queries_per_step: int = 10,
     trials: int = 3,
     search_steps: int = 7,
+    gamma: float = 0.01,
     theta_max: float = 30.0,
     rho: float = 0.98,
     history: int = 100,
@@ -373,7 +514,12 @@ def surfree(
       queries_per_step: oracle queries per step (the search runs on across steps; this only
         sets how often the bundler scores ``x_b``).
       trials: largest angles per sign of the angle search (the paper's ``T``).
-      search_steps: bisection queries on the angle after a successful angle search.
+      search_steps: most bisection queries on the angle after a successful angle search
+        (the reference's ``BS_max_iteration``).
+      gamma: the reference's ``BS_gamma``: the angle bisection stops once
+        ``|cos(hi) - cos(lo)| <= gamma``, the blend bisections once ``hi - lo <= gamma / (D
+        sqrt D)``; the queries left go on to the next direction. Default 0.01 (the
+        reference's); 0 runs every bisection to its length.
       theta_max: initial largest angle, in degrees (the paper's 30).
       rho: ``θ_max`` adaptation factor in (0, 1) (the paper's 0.98).
       history: previous directions the new one is made orthogonal to (the paper's 100).
@@ -392,17 +538,18 @@ def surfree(
     if basis not in BASES:
         raise ValueError(f"surfree basis must be one of {BASES}, got {basis!r}")
     for label, value in (
+        ("queries", queries),
         ("restarts", restarts),
         ("queries_per_step", queries_per_step),
         ("trials", trials),
         ("history", history),
         ("init_trials", init_trials),
     ):
-        if value < 1:
-            raise ValueError(f"surfree needs {label} >= 1, got {value}")
+        check_count("surfree", label, value)
     for label, value in (("search_steps", search_steps), ("init_search_steps", init_search_steps)):
-        if value < 0:
-            raise ValueError(f"surfree needs {label} >= 0, got {value}")
+        check_count("surfree", label, value, minimum=0)
+    if not 0 <= gamma < 1:
+        raise ValueError(f"surfree gamma must be in [0, 1), got {gamma}")
     if not 0 < theta_max <= 90:
         raise ValueError(f"surfree theta_max must be in (0, 90] degrees, got {theta_max}")
     if not 0 < rho < 1:
@@ -416,6 +563,7 @@ def surfree(
         init_search_steps=int(init_search_steps),
         trials=int(trials),
         search_steps=int(search_steps),
+        gamma=float(gamma),
         theta_max=float(math.radians(theta_max)),
         rho=float(rho),
         history=int(history),
