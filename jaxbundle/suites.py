@@ -96,9 +96,14 @@ ATTACKS: dict[str, Callable[..., Attack]] = {
     "apgd-t": _apgd("dlr-targeted"),
     "apgd-t3": _apgd("dlr-targeted", targets=3),
     "apgd-t5": _apgd("dlr-targeted", targets=5),
-    "bp": _min_norm(attacks_lib.bp),
+    # BP as this library runs it (not the authors' loss and steps): a variant, named so.
+    "bp-variant": _min_norm(attacks_lib.bp),
     "fmn": _min_norm(attacks_lib.fmn),
-    "cw-l2": _min_norm(attacks_lib.cw, takes_norm=False),
+    # CW-L2 with 100 Adam steps per stage (a light budget) and with the reference code's
+    # (up to 10,000 per stage, abort-early; --steps sets the per-stage maximum).
+    "cw-l2-light": _min_norm(attacks_lib.cw, takes_norm=False),
+    "cw-l2": lambda norm, steps=None, restarts=None, step_size=None: _l2_only(
+        "cw-l2", norm, attacks_lib.cw_reference(max_iterations=steps or 10_000)),
     "deepfool": _min_norm(attacks_lib.deepfool),
     "fab-t": lambda norm, steps=None, restarts=None, step_size=None: attacks_lib.fab(
         norm, steps=steps or 100
@@ -123,6 +128,12 @@ ATTACKS: dict[str, Callable[..., Attack]] = {
         norm, queries
     ),
 }
+
+
+def _l2_only(name: str, norm: str, attack: Attack) -> Attack:
+    if norm != "l2":
+        raise ValueError(f"attack {name!r} works in norm 'l2', not {norm!r}")
+    return attack
 
 
 def _rays(norm: str, queries: int) -> Attack:
@@ -173,8 +184,8 @@ BUNDLES: dict[str, tuple[tuple[str, tuple[str, ...] | None, dict[str, Any]], ...
     ),
     "min-norm": (
         ("fmn", None, {}),
-        ("bp", ("l2",), {}),
-        ("cw-l2", ("l2",), {}),
+        ("bp-variant", ("l2",), {}),
+        ("cw-l2-light", ("l2",), {}),
         ("deepfool", None, {}),
     ),
 }

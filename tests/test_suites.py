@@ -28,8 +28,12 @@ def test_every_named_attack_builds_exactly_for_the_norms_its_catalogue_entry_lis
 
 
 def test_min_norm_attacks_feed_the_min_norm_goal():
-    for name in ("bp", "cw-l2", "fmn", "deepfool"):
+    for name in ("bp-variant", "cw-l2-light", "cw-l2", "fmn", "deepfool"):
         assert suites.attack(name, "l2").goal == "min_norm"
+    # The light CW budget and the BP variant are reported as such, apart from the reference CW.
+    for name in ("bp-variant", "cw-l2-light", "cw-l2"):
+        assert suites.attack(name, "l2").name == name
+    assert suites.attack("cw-l2", "l2").num_steps == 9 * 10_000
     for name in ("fgsm", "pgd-ce", "apgd-ce", "apgd-t"):
         assert suites.attack(name, "linf").goal == "misclassify"
 
@@ -51,7 +55,8 @@ def test_overrides_and_norm_specific_members():
     assert suites.bundle_attacks("pgd", "linf")[1].num_restarts == 3
     linf = [a.name for a in suites.bundle_attacks("min-norm", "linf")]
     l2 = [a.name for a in suites.bundle_attacks("min-norm", "l2")]
-    assert "bp" not in linf and "cw-l2" not in linf and {"bp", "cw-l2", "fmn"} <= set(l2)
+    assert "bp-variant" not in linf and "cw-l2-light" not in linf
+    assert {"bp-variant", "cw-l2-light", "fmn"} <= set(l2)
 
 
 def test_unknown_names_and_wrong_norms_are_clear_errors():

@@ -11,7 +11,7 @@ from typing import NamedTuple
 from jaxbundle.attacks.apgd import apgd
 from jaxbundle.attacks.bp import bp
 from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel, per_example_keys
-from jaxbundle.attacks.cw import cw
+from jaxbundle.attacks.cw import cw, cw_reference
 from jaxbundle.attacks.deepfool import deepfool
 from jaxbundle.attacks.fab import fab
 from jaxbundle.attacks.fgsm import fgsm
@@ -32,6 +32,7 @@ __all__ = [
     "apgd",
     "bp",
     "cw",
+    "cw_reference",
     "deepfool",
     "fab",
     "fmn",
