@@ -19,6 +19,8 @@ __all__ = [
     "norm",
     "project_ball",
     "project_box",
+    "random_in_ball",
+    "random_start",
     "project",
     "normalize",
     "quantize",
@@ -102,6 +104,31 @@ def in_ball(delta: jax.Array, eps: float | jax.Array, name: str) -> jax.Array:
     """Per-example ``||delta|| <= eps`` up to float32 slack (:data:`BALL_RTOL`,
     :data:`BALL_ATOL`)."""
     return norm(delta, name) <= ball_limit(eps)
+
+
+def random_in_ball(
+    keys: jax.Array, shape: tuple[int, ...], eps: jax.Array, norm: str
+) -> jax.Array:
+    """One uniform sample from the ``norm`` ball of radius ``eps[i]`` per key; ``[B, *shape]``."""
+
+    def one(key, radius):
+        if norm == "linf":
+            return jax.random.uniform(key, shape, minval=-1.0, maxval=1.0) * radius
+        k_dir, k_rad = jax.random.split(key)
+        direction = jax.random.normal(k_dir, shape)
+        direction = direction / jnp.maximum(jnp.linalg.norm(direction), 1e-12)
+        dim = direction.size
+        return direction * radius * jax.random.uniform(k_rad) ** (1.0 / dim)
+
+    if norm not in ("linf", "l2"):
+        raise ValueError(f"random_in_ball supports 'linf' and 'l2', not {norm!r}")
+    return jax.vmap(one)(keys, eps)
+
+
+def random_start(keys: jax.Array, x0: jax.Array, eps: jax.Array, norm: str) -> jax.Array:
+    """The attacks' random start: ``x0`` plus one uniform sample of the eps ball per example
+    (:func:`random_in_ball`), clipped to the box."""
+    return project_box(x0 + random_in_ball(keys, x0.shape[1:], eps, norm))
 
 
 def _project_l1(flat: jax.Array, eps: jax.Array) -> jax.Array:

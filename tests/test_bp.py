@@ -233,7 +233,8 @@ def test_success_never_lost_on_a_nonlinear_model():
 
     x = jnp.asarray(0.5 + 0.3 * rng.uniform(-1, 1, size=(32, 4, 5, 1)), jnp.float32)
     y = jnp.argmax(mlp(params, x), axis=1)
-    r = bundle([bp(quantize=False, steps=50)], mlp, params, x, y, KEY, eps=1.0, norm="l2", judging="float")
+    r = bundle([bp(quantize=False, steps=50)], mlp, params, x, y, KEY, eps=1.0, norm="l2",
+               judging="float")
     best = r.best["min_norm"]
     assert np.asarray(best.score.misclassified).all()
     assert np.all(np.asarray(jnp.argmax(mlp(params, best.x), axis=1)) != np.asarray(y))

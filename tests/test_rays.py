@@ -39,7 +39,8 @@ def test_factory():
 
 @pytest.mark.parametrize(
     "kwargs, match",
-    [(dict(steps=0), "steps"), (dict(search_steps=0), "search_steps"), (dict(restarts=0), "restarts"),
+    [(dict(steps=0), "steps"), (dict(search_steps=0), "search_steps"),
+     (dict(restarts=0), "restarts"),
      (dict(steps=2.5), "steps")],
 )
 def test_factory_rejects(kwargs, match):

@@ -293,7 +293,7 @@ def test_angle_bisection_stops_at_gamma():
         assert phases[:3] == [0, 0, 0] and phases[-1] == 0
         refine = [s for s in circle if int(s.phase[0]) == 1]
         assert len(refine) == bisections, phases
-        gap = lambda s: np.abs(np.cos(np.asarray(s.hi)) - np.cos(np.asarray(s.lo)))
+        gap = lambda s: np.abs(np.cos(np.asarray(s.hi)) - np.cos(np.asarray(s.lo)))  # noqa: E731
         if gamma is None:
             assert all(np.all(gap(s) > 0.01) for s in refine)
             assert np.all(gap(circle[-1]) <= 0.01)

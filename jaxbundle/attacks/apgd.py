@@ -61,7 +61,6 @@ import jax.numpy as jnp
 
 from jaxbundle import losses, norms
 from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel, check_count
-from jaxbundle.attacks.pgd import random_in_ball
 
 __all__ = [
     "LOSSES",
@@ -173,7 +172,7 @@ def _targets(config: APGDConfig, model, x0, y, restart) -> jax.Array:
 
 
 def init(config: APGDConfig, keys, x0, y, eps, model, restart) -> APGDState:
-    x = norms.project_box(x0 + random_in_ball(keys, x0.shape[1:], eps, config.norm))
+    x = norms.random_start(keys, x0, eps, config.norm)
     neg_inf = jnp.full(y.shape, -jnp.inf, jnp.float32)
     return APGDState(
         x=x,
@@ -198,7 +197,7 @@ def init(config: APGDConfig, keys, x0, y, eps, model, restart) -> APGDState:
 def step(config: APGDConfig, state: APGDState, model: WhiteBoxModel):
     s = state
     loss, grad, logits = model.loss_and_grad(_loss_fn(config.loss), s.x, s.y, s.target)
-    where = lambda c, a, b: jnp.where(norms.per_example(c, a), a, b)
+    where = lambda c, a, b: jnp.where(norms.per_example(c, a), a, b)  # noqa: E731
 
     increases = s.increases + (loss > s.loss_prev).astype(jnp.int32)
     improved = loss > s.loss_best

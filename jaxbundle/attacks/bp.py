@@ -43,9 +43,10 @@ This is a variant, not the authors' algorithm (reported as ``"bp-variant"``): th
 logit margin), the stage-1 step and the out and in steps above are this library's, not those of
 the authors' reference implementation. Differences from the paper, by design: the out and in
 steps use the first-order distance ``s`` (the paper steps in the tangent hyperplane through
-``x`` and reaches a target norm ``||r|| / gamma_k`` in the in case); the paper's quantisation-aware search is left to the
-judge, which rounds the reported image; with ``quantize=True`` (default) every iterate of an
-example judged on the grid is rounded to the grid, so the walk moves on judged images; L2 only.
+``x`` and reaches a target norm ``||r|| / gamma_k`` in the in case); the paper's
+quantisation-aware search is left to the judge, which rounds the reported image; with
+``quantize=True`` (default) every iterate of an example judged on the grid is rounded to the
+grid, so the walk moves on judged images; L2 only.
 """
 
 from __future__ import annotations
@@ -99,7 +100,9 @@ def out_step(r: jax.Array, u: jax.Array, s: jax.Array, gamma: jax.Array) -> jax.
     return norms.per_example(a, u) * u + norms.per_example(b, v) * v_unit
 
 
-def in_step(r: jax.Array, u: jax.Array, s: jax.Array, gamma: jax.Array, overshoot: float) -> jax.Array:
+def in_step(
+    r: jax.Array, u: jax.Array, s: jax.Array, gamma: jax.Array, overshoot: float
+) -> jax.Array:
     """New perturbation from a non-adversarial iterate: across the boundary along ``u``."""
     t = jnp.maximum(s / gamma, s + overshoot * norms.norm(r, "l2"))
     return r + norms.per_example(t, u) * u
@@ -119,7 +122,8 @@ def init(config: BPConfig, keys, x0, y, eps, model, restart) -> BPState:
 
 
 def step(config: BPConfig, state: BPState, model: WhiteBoxModel) -> tuple[BPState, Candidate]:
-    """One BP iteration: one gradient of the margin at ``state.x``, then a stage-1, out or in step."""
+    """One BP iteration: one gradient of the margin at ``state.x``, then a stage-1, out or in
+    step."""
     margin, grad, logits = model.loss_and_grad(losses.margin, state.x, state.y)
     # losses.margin = max_{j != y} z_j - z_y, the attacker's objective: grad points along u.
     u = norms.normalize(grad, "l2")
@@ -185,7 +189,8 @@ def bp(
     check_count("bp", "steps", steps)
     if not 0.0 < gamma_min <= gamma_max <= 1.0:
         raise ValueError(
-            f"bp needs 0 < gamma_min <= gamma_max <= 1, got gamma_min={gamma_min}, gamma_max={gamma_max}"
+            f"bp needs 0 < gamma_min <= gamma_max <= 1, got gamma_min={gamma_min}, "
+            f"gamma_max={gamma_max}"
         )
     if not 0.0 <= overshoot < 1.0:
         raise ValueError(f"bp overshoot must lie in [0, 1), got {overshoot}")
@@ -199,7 +204,8 @@ def bp(
         init=init,
         step=step,
         config=BPConfig(
-            steps, max(steps // 3, 1), float(gamma_min), float(gamma_max), float(overshoot), bool(quantize)
+            steps, max(steps // 3, 1), float(gamma_min), float(gamma_max), float(overshoot),
+            bool(quantize),
         ),
         goal="min_norm",
     )

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jaxbundle import losses, norms
 from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel, check_count
 
-__all__ = ["PGDConfig", "PGDState", "random_in_ball", "init", "step", "pgd"]
+__all__ = ["PGDConfig", "PGDState", "init", "step", "pgd"]
 
 
 class PGDConfig(NamedTuple):
@@ -40,27 +40,10 @@ class PGDState(NamedTuple):
     step_size: jax.Array  # [B] alpha
 
 
-def random_in_ball(keys: jax.Array, shape: tuple[int, ...], eps: jax.Array, norm: str) -> jax.Array:
-    """One uniform sample from the ``norm`` ball of radius ``eps[i]`` per key; ``[B, *shape]``."""
-
-    def one(key, radius):
-        if norm == "linf":
-            return jax.random.uniform(key, shape, minval=-1.0, maxval=1.0) * radius
-        k_dir, k_rad = jax.random.split(key)
-        direction = jax.random.normal(k_dir, shape)
-        direction = direction / jnp.maximum(jnp.linalg.norm(direction), 1e-12)
-        dim = direction.size
-        return direction * radius * jax.random.uniform(k_rad) ** (1.0 / dim)
-
-    if norm not in ("linf", "l2"):
-        raise ValueError(f"random_in_ball supports 'linf' and 'l2', not {norm!r}")
-    return jax.vmap(one)(keys, eps)
-
-
 def init(config: PGDConfig, keys, x0, y, eps, model, restart) -> PGDState:
     del model, restart
     if config.random_start:
-        x = norms.project_box(x0 + random_in_ball(keys, x0.shape[1:], eps, config.norm))
+        x = norms.random_start(keys, x0, eps, config.norm)
     else:
         x = x0
     if config.step_size is None:

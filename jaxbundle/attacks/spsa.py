@@ -47,7 +47,6 @@ import optax
 
 from jaxbundle import losses, norms
 from jaxbundle.attacks.base import Attack, Candidate, ScoreOracle, check_count
-from jaxbundle.attacks.pgd import random_in_ball
 
 __all__ = ["SPSAConfig", "SPSAState", "rademacher", "spsa_gradient", "init", "step", "spsa"]
 
@@ -97,7 +96,7 @@ def spsa_gradient(
 def init(config: SPSAConfig, keys, x0, y, eps, model, restart) -> SPSAState:
     del model, restart  # no queries
     k_start, k_run = jnp.moveaxis(jax.vmap(jax.random.split)(keys), 1, 0)
-    x = norms.project_box(x0 + random_in_ball(k_start, x0.shape[1:], eps, config.norm))
+    x = norms.random_start(k_start, x0, eps, config.norm)
     opt_state = jax.vmap(_adam(config).init)(x - x0)
     return SPSAState(x=x, x0=x0, y=y, eps=eps, keys=k_run, opt_state=opt_state)
 
