@@ -24,9 +24,9 @@ bundler's min-norm goal keeps ``delta*`` itself; the state only needs its norm.
 Defaults: ``steps=100``, ``gamma_init=0.05``, ``gamma_final=0.001``,
 ``alpha_final=alpha_init / 100`` and ``alpha_init = 1.0`` for every norm, as in both
 reference implementations (pralab/Fast-Minimum-Norm-Adversarial-Attack and
-jeromerony/adversarial-library ``fmn``: ``alpha_init=1.0`` whatever the norm). An earlier
-version used 10.0 for Linf, for which no source was found; pass ``alpha_init=10.0`` to get it
-(experiments/fidelity_cw_fmn_bp.py compares the two on the demo model).
+jeromerony/adversarial-library ``fmn``: ``alpha_init=1.0`` whatever the norm); a larger Linf
+step, e.g. ``alpha_init=10.0``, can be passed (experiments/fidelity_cw_fmn_bp.py compares the
+two on the demo model).
 
 Details and deviations:
 
