@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxbundle import attacks, data, models
-from jaxbundle.attacks.cw import cw_reference
+from jaxbundle.attacks import cw_reference
 from jaxbundle.bundler import bundle
 
 OUT = pathlib.Path(__file__).parent / "results" / "fidelity_cw_fmn_bp.json"

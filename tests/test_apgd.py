@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,10 +9,10 @@ import pytest
 
 from jaxbundle import attacks, norms
 from jaxbundle.attacks.base import WhiteBoxModel
+from jaxbundle.attacks.white_box import apgd as apgd_lib
 from jaxbundle.bundler import bundle
 from toys import KEY, images, linear_apply, linear_problem, min_distance
 
-apgd_lib = sys.modules["jaxbundle.attacks.apgd"]  # jaxbundle.attacks.apgd is the factory
 
 
 def test_checkpoints_follow_the_paper():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -334,3 +336,44 @@ def test_an_unknown_kind_is_an_error_not_white_box_access():
     typo = attacks.square(queries=10)._replace(kind="scorebased")
     with pytest.raises(ValueError, match="'square' has unknown kind 'scorebased'"):
         check_attacks([typo], "linf")
+
+
+def _catalogue_modules():
+    """(catalogue entry, module, factory names) of every attack: its subpackage is its kind."""
+    factories = {"cw-l2": ("cw", "cw_reference")}
+    for info in attacks.CATALOGUE:
+        stem = info.name.split("-")[0]
+        package = info.kind.replace("-", "_")
+        yield info, f"jaxbundle.attacks.{package}.{stem}", factories.get(info.name, (stem,))
+
+
+@pytest.mark.parametrize("info,module_name,factory_names", list(_catalogue_modules()),
+                         ids=[i.name for i in attacks.CATALOGUE])
+def test_attack_modules_and_factories_are_apart(info, module_name, factory_names):
+    import importlib
+    import types
+
+    module = importlib.import_module(module_name)
+    package, stem = module_name.rsplit(".", 1)
+    # The subpackage attribute is the module itself, not rebound to the factory: help() on it
+    # shows the algorithm, which opens with the paper's authors.
+    assert isinstance(getattr(importlib.import_module(package), stem), types.ModuleType)
+    first_author = info.paper.split(",")[0].split(" ")[0]
+    assert first_author in module.__doc__.split("\n\n")[0] and len(module.__doc__) > 300
+    for name in factory_names:
+        factory = getattr(attacks, name)
+        assert factory.__module__ == module_name and getattr(module, name) is factory
+        doc = factory.__doc__
+        assert "Args:" in doc and "Returns:" in doc
+        assert f":mod:`{module_name}`" in doc, "the factory points to its algorithm"
+        authors_year = re.match(r"(.*? (19|20)\d\d),", info.paper).group(1)
+        assert " ".join(authors_year.split()) in " ".join(doc.split()), "and names its paper"
+
+
+def test_every_attack_module_is_in_the_catalogue():
+    import pathlib
+
+    root = pathlib.Path(attacks.__file__).parent
+    found = {f"jaxbundle.attacks.{p.parent.name}.{p.stem}"
+             for p in root.glob("*/*.py") if p.stem != "__init__"}
+    assert found == {m for _, m, _ in _catalogue_modules()}

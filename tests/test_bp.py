@@ -9,7 +9,7 @@ import pytest
 
 from jaxbundle import losses, norms
 from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel
-from jaxbundle.attacks.bp import BPConfig, BPState, bp
+from jaxbundle.attacks.white_box.bp import BPConfig, BPState, bp
 from jaxbundle.bundler import bundle
 from toys import KEY, images, linear_apply, linear_problem, min_distance, run_steps
 

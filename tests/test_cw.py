@@ -11,7 +11,7 @@ import pytest
 
 from jaxbundle import losses, norms
 from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel, per_example_keys
-from jaxbundle.attacks.cw import (
+from jaxbundle.attacks.white_box.cw import (
     CWState,
     abort_check,
     cw,

@@ -9,7 +9,7 @@ import pytest
 
 from jaxbundle import losses
 from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel
-from jaxbundle.attacks.deepfool import deepfool
+from jaxbundle.attacks.white_box.deepfool import deepfool
 from jaxbundle.bundler import bundle
 from toys import KEY, images, linear_apply, linear_problem, min_distance, run_steps
 from toys import dot_flops as _dot_flops

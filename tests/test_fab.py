@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import test_attacks
 from jaxbundle import attacks, norms
 from jaxbundle.attacks.base import Attack, WhiteBoxModel
-from jaxbundle.attacks.fab import fab, project_hyperplane
+from jaxbundle.attacks.white_box.fab import fab, project_hyperplane
 from jaxbundle.bundler import bundle
 from toys import KEY, dot_flops, images, linear_apply, linear_problem, min_distance
 

@@ -10,7 +10,7 @@ import pytest
 
 from jaxbundle import norms
 from jaxbundle.attacks.base import Attack, Candidate, LabelOracle, per_example_keys
-from jaxbundle.attacks.rays import (
+from jaxbundle.attacks.decision_based.rays import (
     NONE_FOUND, _advance, block_order, flip_mask, max_stage, ray_image, rays,
 )
 from jaxbundle.bundler import bundle

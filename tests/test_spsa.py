@@ -10,7 +10,7 @@ import pytest
 
 from jaxbundle import norms
 from jaxbundle.attacks.base import Attack, Candidate, ScoreOracle, per_example_keys
-from jaxbundle.attacks.spsa import spsa, spsa_gradient, rademacher
+from jaxbundle.attacks.score_based.spsa import spsa, spsa_gradient, rademacher
 from jaxbundle.bundler import bundle
 from toys import KEY, images, linear_apply, linear_problem, min_distance, run_steps as _run
 

@@ -11,7 +11,7 @@ import pytest
 
 from jaxbundle import losses, norms
 from jaxbundle.attacks.base import Attack, Candidate, ScoreOracle, per_example_keys
-from jaxbundle.attacks.square import (
+from jaxbundle.attacks.score_based.square import (
     SquareState,
     fraction,
     pseudo_gaussian,

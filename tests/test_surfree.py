@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jaxbundle.attacks.base import Attack, LabelOracle
-from jaxbundle.attacks.surfree import (
+from jaxbundle.attacks.decision_based.surfree import (
     NOISE,
     init_queries,
     orthogonalize,

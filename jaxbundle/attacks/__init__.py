@@ -8,19 +8,19 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from jaxbundle.attacks.apgd import apgd
-from jaxbundle.attacks.bp import bp
 from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel, per_example_keys
-from jaxbundle.attacks.cw import cw, cw_reference
-from jaxbundle.attacks.deepfool import deepfool
-from jaxbundle.attacks.fab import fab
-from jaxbundle.attacks.fgsm import fgsm
-from jaxbundle.attacks.fmn import fmn
-from jaxbundle.attacks.pgd import pgd
-from jaxbundle.attacks.rays import rays
-from jaxbundle.attacks.spsa import spsa
-from jaxbundle.attacks.square import square
-from jaxbundle.attacks.surfree import surfree
+from jaxbundle.attacks.decision_based.rays import rays
+from jaxbundle.attacks.decision_based.surfree import surfree
+from jaxbundle.attacks.score_based.spsa import spsa
+from jaxbundle.attacks.score_based.square import square
+from jaxbundle.attacks.white_box.apgd import apgd
+from jaxbundle.attacks.white_box.bp import bp
+from jaxbundle.attacks.white_box.cw import cw, cw_reference
+from jaxbundle.attacks.white_box.deepfool import deepfool
+from jaxbundle.attacks.white_box.fab import fab
+from jaxbundle.attacks.white_box.fgsm import fgsm
+from jaxbundle.attacks.white_box.fmn import fmn
+from jaxbundle.attacks.white_box.pgd import pgd
 
 __all__ = [
     "Attack",

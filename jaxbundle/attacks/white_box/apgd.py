@@ -18,8 +18,8 @@ On a restart ``x^{w_j} := x_max`` and ``x^{w_j - 1}`` is kept, so the next momen
 ``x_max - x^{w_j - 1}``: Algorithm 1 of the paper sets only ``x^{(k+1)} <- x_max``, and the
 reference (fra31/auto-attack, ``autopgd_base.py``) resets ``x_adv`` but not ``x_adv_old``. The
 gradient at the best point, kept in the state, is used: no gradient is spent twice. One gradient
-per iteration. (``APGDConfig.keep_momentum=False`` drops the momentum instead, as this library
-did before; it is there for comparisons only.)
+per iteration. (``APGDConfig.keep_momentum=False`` drops the momentum after a restart from the
+best point instead; it is there for comparisons only.)
 
 Two step-size schedules, ``APGDConfig.schedule``:
 
@@ -257,6 +257,10 @@ def apgd(
     schedule: str = "reference",
 ) -> Attack:
     """APGD (untargeted CE or DLR) or APGD-T (targeted DLR or CE).
+
+    The algorithm: :mod:`jaxbundle.attacks.white_box.apgd`. Paper: Croce & Hein 2020, "Reliable
+    Evaluation of Adversarial Robustness with an Ensemble of Diverse Parameter-free Attacks"
+    (APGD-CE, APGD-DLR, APGD-T).
 
     Args:
       norm: ``"linf"`` or ``"l2"``.

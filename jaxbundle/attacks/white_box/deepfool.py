@@ -131,6 +131,9 @@ def deepfool(
 ) -> Attack:
     """DeepFool: repeated steps to the nearest linearised decision boundary.
 
+    The algorithm: :mod:`jaxbundle.attacks.white_box.deepfool`. Paper: Moosavi-Dezfooli, Fawzi &
+    Frossard 2016, "DeepFool: a simple and accurate method to fool deep neural networks".
+
     Args:
       norm: ``"linf"`` or ``"l2"``.
       steps: iterations (the paper stops at the first misclassification; here misclassified

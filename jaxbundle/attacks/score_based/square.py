@@ -420,6 +420,10 @@ def square(
 ) -> Attack:
     """The Square Attack, score-based, untargeted, in the Linf or L2 ball.
 
+    The algorithm: :mod:`jaxbundle.attacks.score_based.square`. Paper: Andriushchenko, Croce,
+    Flammarion & Hein 2020, "Square Attack: a query-efficient black-box adversarial attack via
+    random search".
+
     Args:
       norm: ``"linf"`` or ``"l2"``.
       queries: model queries per example, the initial point included (``queries - 1``

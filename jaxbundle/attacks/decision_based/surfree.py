@@ -64,8 +64,8 @@ always the closest such image the oracle has labelled wrong. The budget is exact
 
 Defaults follow the paper: ``θ_max`` = 30°, ``rho = 0.98``, ``history = 100`` (its
 ``n_ortho``), ``search_steps = 7`` (its binary-search length), DCT directions with
-``frequency_ratio = 0.5``, ``gamma = 0.01`` (its ``BS_gamma``); ``trials = 3`` (its ``T``, as
-we read it). The factory derives
+``frequency_ratio = 0.5``, ``gamma = 0.01`` (its ``BS_gamma``); ``trials = 3`` (our reading of
+its ``T``). The factory derives
 ``num_steps = (queries // restarts - init_queries) // queries_per_step``: with the default
 5,000 queries, ``init_queries = 20`` and ``queries_per_step = 10``, that is 498 steps and
 5,000 queries. The paper's optional boundary interpolation and distance line search are not
@@ -504,6 +504,9 @@ def surfree(
     name: str | None = None,
 ) -> Attack:
     """SurFree with a hard query budget.
+
+    The algorithm: :mod:`jaxbundle.attacks.decision_based.surfree`. Paper: Maho, Furon & Le Merrer
+    2021, "SurFree: a fast surrogate-free black-box attack".
 
     Args:
       queries: model queries per example, all restarts included; ``num_steps`` is the

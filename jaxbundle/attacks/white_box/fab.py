@@ -21,8 +21,8 @@ one backward pass per step. Restart ``r`` of the vmap axis targets the class wit
 clean logits for 9 targets, as AutoAttack's ``n_target_classes``. Untargeted FAB
 (``targeted=False``) linearises the ``targets`` classes of highest clean logit at once (one
 backward pass each, the gradient of each difference ``z_j - z_y`` directly, as
-:mod:`jaxbundle.attacks.deepfool` does) and, per step, takes the class whose linearised boundary
-is nearest, ``argmin_j |f_j| / ||grad f_j||_*`` (dual norm: L1 for Linf, L2 for L2).
+:mod:`jaxbundle.attacks.white_box.deepfool` does) and, per step, takes the class whose linearised
+boundary is nearest, ``argmin_j |f_j| / ||grad f_j||_*`` (dual norm: L1 for Linf, L2 for L2).
 
 Within a target (or for the untargeted attack) the first run starts from ``x0``; runs
 ``1..restarts-1`` start from ``clip(x0 + eps/2 * u / ||u||)`` with ``u`` uniform in
@@ -280,6 +280,10 @@ def fab(
     name: str | None = None,
 ) -> Attack:
     """FAB-T (default) or untargeted FAB: minimum-norm steps to the linearised boundary.
+
+    The algorithm: :mod:`jaxbundle.attacks.white_box.fab`. Paper: Croce & Hein 2020, "Minimally
+    distorted Adversarial Examples with a Fast Adaptive Boundary Attack" (FAB; FAB-T, its targeted
+    version in AutoAttack).
 
     Args:
       norm: ``"linf"`` or ``"l2"``.

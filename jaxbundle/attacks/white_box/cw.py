@@ -262,6 +262,9 @@ def cw(
 ) -> Attack:
     """Carlini-Wagner L2 (untargeted): Adam in tanh space with a binary search over ``c``.
 
+    The algorithm: :mod:`jaxbundle.attacks.white_box.cw`. Paper: Carlini & Wagner 2017, "Towards
+    Evaluating the Robustness of Neural Networks".
+
     The defaults are the LIGHT budget (100 steps per stage, no early abort), reported as
     ``"cw-l2-light"``; :func:`cw_reference` gives the reference implementation's budget.
 
@@ -317,11 +320,26 @@ def cw_reference(
 ) -> Attack:
     """Carlini-Wagner L2 with the reference implementation's budget, reported as ``"cw-l2"``.
 
+    The algorithm: :mod:`jaxbundle.attacks.white_box.cw`. Paper: Carlini & Wagner 2017, "Towards
+    Evaluating the Robustness of Neural Networks".
+
     nicholas-carlini/nn_robust_attacks ``l2_attack.py`` defaults: ``MAX_ITERATIONS = 10000``
     Adam steps per stage with ``ABORT_EARLY`` (a stage ends once the objective has not
     decreased by 0.01% over ``max_iterations // 10`` steps; per example here),
     ``INITIAL_CONST = 1e-3``, ``BINARY_SEARCH_STEPS = 9``, ``LEARNING_RATE = 1e-2``. The scan
     runs ``max_iterations * search_steps`` steps (an upper bound; aborted examples idle).
+
+    Args:
+      max_iterations: Adam steps per stage of the binary search over the constant ``c``.
+      search_steps: stages of the binary search.
+      initial_const: ``c`` of the first stage.
+      learning_rate: Adam's step size.
+      confidence: the margin ``kappa`` the logits must clear (0: just misclassified).
+      name: report name; default ``"cw-l2"``.
+
+    Returns:
+      An :class:`~jaxbundle.attacks.base.Attack` with ``goal="min_norm"``, as :func:`cw` with
+      ``abort_early=True``.
     """
     return cw(
         steps=max_iterations,

@@ -54,6 +54,9 @@ def step(config: FGSMConfig, state: FGSMState, model: WhiteBoxModel):
 def fgsm(norm: str = "linf", loss: str = "ce", name: str | None = None) -> Attack:
     """FGSM (Linf) or FGM (L2): one gradient step of length eps.
 
+    The algorithm: :mod:`jaxbundle.attacks.white_box.fgsm`. Paper: Goodfellow, Shlens & Szegedy
+    2015, "Explaining and Harnessing Adversarial Examples".
+
     Args:
       norm: ``"linf"`` or ``"l2"``.
       loss: ``"ce"``, ``"margin"`` or ``"dlr"`` (see :mod:`jaxbundle.losses`).

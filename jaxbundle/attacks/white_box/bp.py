@@ -163,6 +163,10 @@ def bp(
 ) -> Attack:
     """The Boundary Projection attack (minimum-norm, untargeted, white-box).
 
+    The algorithm: :mod:`jaxbundle.attacks.white_box.bp`. Paper: Zhang, Avrithis, Furon & Amsaleg
+    2020, "Walking on the Edge: Fast, Low-Distortion Adversarial Examples" (stage-1 step from
+    Pautrat et al. 2021, RoBIC).
+
     Args:
       norm: ``"l2"`` (the only norm BP's geometry is written for).
       steps: iterations ``K`` (one gradient each); stage 1 aims to cross the boundary within

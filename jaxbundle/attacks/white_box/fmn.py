@@ -33,9 +33,9 @@ Details and deviations:
 * ``boundary_slack`` (default on; a deviation): before the first adversarial, Algorithm 1 sets
   ``eps_k`` to the first-order boundary estimate itself. On a (locally) linear model that lands
   exactly on the boundary, and in float32 often a hair short of it (margin -1e-7), where the
-  estimate then repeats forever: 13% of the binary linear oracle's L2 examples never became
-  adversarial in 100 steps. With the slack ``eps_k = (1 + gamma_k) * estimate``; once an
-  adversarial is found the shrink/grow phase (unchanged) refines it within ``gamma_K``.
+  estimate then repeats forever and the example never becomes adversarial. With the slack
+  ``eps_k = (1 + gamma_k) * estimate``; once an adversarial is found the shrink/grow phase
+  (unchanged) refines it within ``gamma_K``.
   ``boundary_slack=False`` runs Algorithm 1 verbatim.
 * The step is the paper's ``g / ||g||_2`` for every norm (not the norm's steepest-ascent
   direction: for L1 that is a single coordinate per step); the projection onto the eps_k ball
@@ -144,6 +144,9 @@ def fmn(
     name: str | None = None,
 ) -> Attack:
     """FMN: minimum-norm attack by PGD in an adaptively shrinking or growing eps ball.
+
+    The algorithm: :mod:`jaxbundle.attacks.white_box.fmn`. Paper: Pintor, Roli, Brendel & Biggio
+    2021, "Fast Minimum-norm Adversarial Attacks through Adaptive Norm Constraints".
 
     Args:
       norm: ``"linf"``, ``"l2"`` or ``"l1"``.

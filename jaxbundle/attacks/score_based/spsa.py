@@ -124,6 +124,9 @@ def spsa(
 ) -> Attack:
     """SPSA: score-based Linf attack, Adam on SPSA gradient estimates of the margin.
 
+    The algorithm: :mod:`jaxbundle.attacks.score_based.spsa`. Paper: Uesato, O'Donoghue, van den
+    Oord & Kohli 2018, "Adversarial Risk and the Dangers of Evaluating Against Weak Attacks".
+
     Args:
       norm: ``"linf"`` (the only one supported).
       steps: Adam steps. Default 100.

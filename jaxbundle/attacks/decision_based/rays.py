@@ -221,6 +221,9 @@ def rays(
 ) -> Attack:
     """RayS: decision-based minimum-norm Linf attack by hierarchical sign-direction search.
 
+    The algorithm: :mod:`jaxbundle.attacks.decision_based.rays`. Paper: Chen & Gu 2020, "RayS: A Ray
+    Searching Method for Hard-label Adversarial Attack".
+
     Args:
       steps: queries after init, one per step (checks and bisections). Default 10000.
       search_steps: most bisections of the radius after an accepted trial. Default 8, which

@@ -76,6 +76,9 @@ def pgd(
 ) -> Attack:
     """PGD with a selectable loss, random start and restarts.
 
+    The algorithm: :mod:`jaxbundle.attacks.white_box.pgd`. Paper: Madry et al. 2018, "Towards Deep
+    Learning Models Resistant to Adversarial Attacks".
+
     Args:
       norm: ``"linf"`` or ``"l2"``.
       loss: ``"ce"`` (cross-entropy), ``"margin"`` (Carlini-Wagner) or ``"dlr"``.
