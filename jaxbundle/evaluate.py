@@ -42,7 +42,7 @@ from jaxbundle import judge
 from jaxbundle import schedule as schedule_lib
 from jaxbundle.bundler import (BundleResult, bundle, check_attacks, check_eot, check_inputs,
                                goals_for)
-from jaxbundle.metrics import Counts, kind_success
+from jaxbundle.metrics import Counts, Setting, kind_success
 from jaxbundle.sampling import is_stochastic
 
 __all__ = [
@@ -223,7 +223,8 @@ def _summary(result, x, y, example_id, mask, eps, attacks, mesh, apply_fn, param
     if is_stochastic(apply_fn):  # the fraction of the judge's calls each image fools
         outputs.update(success_rate=result.best["misclassify"].score.rate,
                        clean_success_rate=result.clean.rate)
-    out = (Counts.from_result(result, mask, eps_b, black_box), outputs)
+    setting = Setting.of(attacks, tuple(result.best))
+    out = (Counts.from_result(result, mask, eps_b, setting), outputs)
     if mesh is not None:
         out = jax.lax.with_sharding_constraint(out, NamedSharding(mesh, PartitionSpec()))
     return out
@@ -383,7 +384,8 @@ def _load_checkpoint(path: str, fingerprint_: str, empty: _State) -> _State:
             )
         return _State(
             int(saved["batches_done"]),
-            Counts(*(saved[f"counts_{f}"] for f in Counts._fields)),
+            empty.counts.read({k[len("counts_"):]: saved[k] for k in saved.files
+                               if k.startswith("counts_")}),
             {k[4:]: [saved[k]] for k in saved.files if k.startswith("out_")},
             saved["stages"],
             (saved["gallery_id"], saved["gallery_x_adv"]),
@@ -391,7 +393,7 @@ def _load_checkpoint(path: str, fingerprint_: str, empty: _State) -> _State:
 
 
 def _save_checkpoint(path: str, fingerprint_: str, state: _State) -> None:
-    arrays = {f"counts_{f}": v for f, v in zip(Counts._fields, state.counts)}
+    arrays = {f"counts_{k}": v for k, v in state.counts.arrays().items()}
     arrays.update({f"out_{k}": np.concatenate(v) for k, v in state.chunks.items()})
     files_lib.save_npz(
         path, batches_done=state.batches_done, fingerprint=fingerprint_,
@@ -509,6 +511,7 @@ def evaluate_source(
                   if schedule != "full" else "full"),
         data=source.describe(), n=n, model=params_digest(params), images=keep_images,
         apply_fn=describe(apply_fn),
+        counts=sorted(Counts.empty(Setting.of(attacks, goal_names)).arrays()),  # their layout
     )
     local_params, sharding = params, None
     if mesh is not None:
@@ -531,7 +534,7 @@ def evaluate_source(
     lead = jax.process_index() == 0
     # Host-side state only (numpy): counts are summed here, never by eager ops on global arrays.
     state = _State(
-        0, jax.tree.map(np.asarray, Counts.empty(len(attacks))), {},
+        0, jax.tree.map(np.asarray, Counts.empty(Setting.of(attacks, goal_names))), {},
         np.zeros((len(attacks), 4), np.int64),
         (np.zeros(0, np.int32),
          np.zeros((0, *source.shape), np.uint8 if uint8_images else np.float32)),
@@ -708,7 +711,7 @@ def _results(run: _Run, state: _State, model_checks: Any) -> tuple[dict, dict]:
     attacks, n = run.attacks, run.n
     per_example = {k: np.concatenate(v) for k, v in state.chunks.items()}
     per_example.pop("example_id")
-    metrics = state.counts.compute([a.name for a in attacks], [a.black_box for a in attacks])
+    metrics = state.counts.compute(Setting.of(attacks, run.goal_names))
     metrics.update(eps=run.eps, norm=run.norm, seed=run.seed, goals=list(run.goal_names))
     on_grid = metrics.pop("grid_judged")
     metrics["judging"] = {

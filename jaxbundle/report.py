@@ -20,7 +20,7 @@ Schema of ``report.json`` (version 1)::
                                            # one stage per attack
           "wat": float,                    # lowest single-attack robust accuracy
           "wat_attack": "<attack>",
-          "confident_failure_rate": {"<threshold>": float},  # percent
+          "confident_failure_rate": {"<threshold>": float},  # percent; max_confidence goal only
           "white_box_robust_accuracy": float | null,  # bundle of the white-box attacks alone
           "black_box_robust_accuracy": float | null,  # bundle of the black-box attacks alone
           "black_box_only": int,           # examples only a black-box attack fooled (masking?)

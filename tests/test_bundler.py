@@ -13,7 +13,7 @@ from jaxbundle import attacks, norms
 from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel
 from jaxbundle.bundler import bundle, check_inputs
 from jaxbundle.judge import quantize_min_norm
-from jaxbundle.metrics import Counts
+from jaxbundle.metrics import Counts, Setting
 from toys import KEY, images, linear_apply, linear_problem, min_distance
 
 
@@ -66,8 +66,8 @@ def test_bundling_finds_what_no_single_attack_does():
     bundle_attacks = [only_row(i) for i in range(n)]
     r = bundle(bundle_attacks, linear_apply, params, images(x), jnp.asarray(y), KEY, eps=eps)
     np.testing.assert_array_equal(r.attack_success, np.eye(n, dtype=bool))
-    counts = Counts.from_result(r, jnp.ones(n, bool), eps)
-    figures = counts.compute([a.name for a in bundle_attacks])
+    setting = Setting.of(bundle_attacks)
+    figures = Counts.from_result(r, jnp.ones(n, bool), eps, setting).compute(setting)
     assert figures["clean_accuracy"] == 100.0
     assert figures["wat"] == pytest.approx(100.0 * (n - 1) / n)  # WAT error 1/n
     assert figures["robust_accuracy"] == 0.0  # bundled error 1
@@ -178,7 +178,8 @@ def test_eps_zero_gives_clean_accuracy():
     y[:5] = (y[:5] + 1) % 4
     r = bundle([attacks.fgsm(), attacks.pgd(steps=3)], linear_apply, params, images(x),
                jnp.asarray(y), KEY, eps=0.0)
-    figures = Counts.from_result(r, jnp.ones(32, bool), 0.0).compute(["fgsm", "pgd-ce"])
+    setting = Setting(("fgsm", "pgd-ce"), (False, False))
+    figures = Counts.from_result(r, jnp.ones(32, bool), 0.0, setting).compute(setting)
     assert figures["robust_accuracy"] == figures["clean_accuracy"] == pytest.approx(100 * 27 / 32)
     assert figures["relative_robustness"] == 100.0
 

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from jaxbundle import attacks
 from jaxbundle.evaluate import evaluate
+from jaxbundle import metrics as metrics_lib
 from jaxbundle.metrics import Counts, relative_robustness
 from toys import (
     assert_all_succeeded,
@@ -183,24 +184,30 @@ def test_evaluate_rejects_bad_data(problem):
 # ---------------------------------------------------------------------------------------------
 # Reducers: merge is associative and commutative with empty() as identity.
 
-counts_strategy = st.builds(
-    lambda v: Counts(
-        n=jnp.int32(v[0]), clean_correct=jnp.int32(v[1]), robust_correct=jnp.int32(v[2]),
-        attack_correct=jnp.asarray(v[3:5], jnp.int32),
-        confident_failures=jnp.asarray(v[5:9], jnp.int32),
-        kind_correct=jnp.asarray(v[9:11], jnp.int32), black_box_only=jnp.int32(v[11]),
-        grid_judged=jnp.int32(v[12]),
-    ),
-    st.lists(st.integers(0, 10_000), min_size=13, max_size=13),
-)
+SETTING = metrics_lib.Setting(("a", "b"), (False, True), ("misclassify", "max_confidence"))
+
+
+def _counts(v) -> Counts:
+    """Counts of every metric of SETTING from 16 integers, in field order."""
+    it = iter(v)
+    return Counts({name: type(m)(*(jnp.asarray([next(it) for _ in range(max(1, np.size(f)))],
+                                                jnp.int32).reshape(np.shape(f))
+                                    for f in m))
+                   for name, m in Counts.empty(SETTING).metrics.items()})
+
+
+counts_strategy = st.builds(_counts, st.lists(st.integers(0, 10_000), min_size=16, max_size=16))
 
 
 @given(counts_strategy, counts_strategy, counts_strategy)
 def test_merge_is_associative_commutative_with_identity(a, b, c):
-    same = lambda p, q: all(np.array_equal(u, v) for u, v in zip(p, q))  # noqa: E731
+    same = lambda p, q: all(  # noqa: E731
+        np.array_equal(u, v) for u, v in zip(jax.tree.leaves(p), jax.tree.leaves(q)))
+    assert len(jax.tree.leaves(a)) == 11  # every count field is covered
     assert same(a.merge(b).merge(c), a.merge(b.merge(c)))
     assert same(a.merge(b), b.merge(a))
-    assert same(a.merge(Counts.empty(2)), a)
+    assert same(a.merge(Counts.empty(SETTING)), a)
+    assert same(a.read(a.arrays()), a)  # the checkpoint round trip
 
 
 def test_merging_batches_equals_one_pass(problem):
@@ -210,39 +217,89 @@ def test_merging_batches_equals_one_pass(problem):
     key = jax.random.key(0)
     ids = jnp.arange(37, dtype=jnp.int32)
     mask = jnp.ones(37, bool)
-    whole = Counts.from_result(
-        bundle(ATTACKS, linear_apply, params, x, y, key, eps=eps, example_id=ids), mask, eps
-    )
-    parts = Counts.empty(len(ATTACKS))
+    goals = ("misclassify", "max_confidence")
+    setting = metrics_lib.Setting.of(ATTACKS, goals)
+    run = lambda lo, hi: bundle(  # noqa: E731
+        ATTACKS, linear_apply, params, x[lo:hi], y[lo:hi], key, eps=eps, example_id=ids[lo:hi],
+        goals=goals)
+    whole = Counts.from_result(run(0, 37), mask, eps, setting)
+    parts = Counts.empty(setting)
     for lo, hi in [(0, 10), (10, 11), (11, 37)]:
-        r = bundle(ATTACKS, linear_apply, params, x[lo:hi], y[lo:hi], key, eps=eps,
-                   example_id=ids[lo:hi])
-        parts = parts.merge(Counts.from_result(r, mask[lo:hi], eps))
-    for u, v in zip(whole, parts):
+        parts = parts.merge(Counts.from_result(run(lo, hi), mask[lo:hi], eps, setting))
+    assert set(whole.metrics) == set(metrics_lib.METRICS)
+    for u, v in zip(jax.tree.leaves(whole), jax.tree.leaves(parts)):
         np.testing.assert_array_equal(u, v)
+    assert whole.compute(setting) == parts.compute(setting)
 
 
 def test_hand_computed_figures():
-    c = Counts(
-        n=jnp.int32(10), clean_correct=jnp.int32(8), robust_correct=jnp.int32(2),
-        attack_correct=jnp.asarray([6, 4], jnp.int32),
-        confident_failures=jnp.asarray([5, 3, 1, 0], jnp.int32),
-        kind_correct=jnp.asarray([6, 4], jnp.int32), black_box_only=jnp.int32(0),
-        grid_judged=jnp.int32(10),
-    )
-    f = c.compute(["a", "b"])
+    c = Counts({
+        "accuracy": metrics_lib.Accuracy(*map(jnp.int32, (10, 8, 2))),
+        "attack_table": metrics_lib.AttackTable(jnp.int32(10), jnp.asarray([6, 4], jnp.int32)),
+        "threat_models": metrics_lib.ThreatModels(jnp.int32(10), jnp.asarray([6, 4], jnp.int32),
+                                                  jnp.int32(0)),
+        "confident_failures": metrics_lib.ConfidentFailures(
+            jnp.int32(10), jnp.asarray([5, 3, 1, 0], jnp.int32)),
+        "grid_judged": metrics_lib.GridJudged(jnp.int32(10)),
+    })
+    white = metrics_lib.Setting(("a", "b"), (False, False))
+    f = c.compute(white)
     assert f["white_box_robust_accuracy"] == 60.0 and f["black_box_robust_accuracy"] is None
-    g = c._replace(kind_correct=jnp.asarray([6, 3], jnp.int32), black_box_only=jnp.int32(1))
-    g = g.compute(["a", "b"], black_box=[False, True])
+    g = c.metrics["threat_models"]._replace(kind_correct=jnp.asarray([6, 3], jnp.int32),
+                                            black_box_only=jnp.int32(1))
+    g = Counts({**c.metrics, "threat_models": g}).compute(white._replace(black_box=(False, True)))
     assert g["white_box_robust_accuracy"] == 60.0 and g["black_box_robust_accuracy"] == 30.0
     assert g["black_box_only"] == 1
     assert f["clean_accuracy"] == 80.0 and f["robust_accuracy"] == 20.0
     assert f["relative_robustness"] == 25.0
     assert f["mat"] == {"a": 60.0, "b": 40.0} and f["wat"] == 40.0 and f["wat_attack"] == "b"
     assert f["confident_failure_rate"] == {"0.5": 50.0, "0.7": 30.0, "0.9": 10.0, "0.99": 0.0}
+    assert f["grid_judged"] == 10 and f["n_examples"] == 10
     assert relative_robustness(0, 0) is None
     with pytest.raises(ValueError, match="attack names"):
-        c.compute(["a"])
+        c.compute(white._replace(attack_names=("a",)))
+
+
+def test_confident_failures_only_with_the_max_confidence_goal(problem):
+    """Without the max-confidence goal no candidate was kept for its confidence: the figure is
+    absent, not a 0 % that would read as a perfect defence."""
+    params, x, y, eps = problem
+    without = evaluate(linear_apply, params, x, y, ATTACKS[:1], eps=eps, goals=("misclassify",))
+    assert "confident_failure_rate" not in without.metrics
+    with_ = evaluate(linear_apply, params, x, y, ATTACKS[1:2], eps=4 * eps,
+                     goals=("misclassify", "max_confidence"))
+    rates = with_.metrics["confident_failure_rate"]
+    confidence = with_.per_example["max_wrong_confidence"]
+    for t, rate in rates.items():
+        assert rate == pytest.approx(100.0 * np.mean(confidence >= float(t)))
+    assert rates["0.5"] > rates["0.7"] > 0  # the check is not vacuous
+
+
+def test_a_new_metric_is_one_class(problem, monkeypatch):
+    """A reducer added to METRICS alone is counted, merged, reported and checkpointed."""
+    from typing import NamedTuple
+
+    class Fooled(NamedTuple):
+        fooled: jax.Array
+        goal = None
+
+        @classmethod
+        def empty(cls, setting):
+            return cls(jnp.zeros((), jnp.int32))
+
+        @classmethod
+        def from_result(cls, result, mask, eps, setting):
+            return cls(jnp.sum(result.attack_success.any(axis=0) & mask, dtype=jnp.int32))
+
+        merge = metrics_lib.Accuracy.merge
+
+        def compute(self, setting):
+            return {"fooled_by_any": int(self.fooled)}
+
+    monkeypatch.setitem(metrics_lib.METRICS, "fooled", Fooled)
+    params, x, y, eps = problem
+    ev = evaluate(linear_apply, params, x, y, ATTACKS[:2], eps=eps, batch_size=16)
+    assert ev.metrics["fooled_by_any"] == int(ev.per_example["attack_success"].any(axis=1).sum())
 
 
 def test_two_processes_give_the_same_answer(problem, tmp_path):
