@@ -500,6 +500,7 @@ def evaluate_source(
         batch_size=batch_size, schedule=schedule, schedule_goal=schedule_goal, focus=focus,
         segments=segments)
     n = len(source)
+    setting = Setting.of(attacks, goal_names)
     if mesh == "auto":
         mesh = default_mesh()
     if mesh is None:
@@ -511,7 +512,7 @@ def evaluate_source(
                   if schedule != "full" else "full"),
         data=source.describe(), n=n, model=params_digest(params), images=keep_images,
         apply_fn=describe(apply_fn),
-        counts=sorted(Counts.empty(Setting.of(attacks, goal_names)).arrays()),  # their layout
+        counts=sorted(Counts.empty(setting).arrays()),  # their layout
     )
     local_params, sharding = params, None
     if mesh is not None:
@@ -534,7 +535,7 @@ def evaluate_source(
     lead = jax.process_index() == 0
     # Host-side state only (numpy): counts are summed here, never by eager ops on global arrays.
     state = _State(
-        0, jax.tree.map(np.asarray, Counts.empty(Setting.of(attacks, goal_names))), {},
+        0, jax.tree.map(np.asarray, Counts.empty(setting)), {},
         np.zeros((len(attacks), 4), np.int64),
         (np.zeros(0, np.int32),
          np.zeros((0, *source.shape), np.uint8 if uint8_images else np.float32)),
@@ -613,6 +614,11 @@ class _Run(NamedTuple):
     budget: float | None
     focus: dict[str, float]
     segments: int
+
+    @property
+    def setting(self) -> Setting:
+        """What the metrics know of the run."""
+        return Setting.of(self.attacks, self.goal_names)
 
 
 def _check_options(apply_fn, source, attacks, *, eps, norm, goals, judging, batch_size,
@@ -711,7 +717,7 @@ def _results(run: _Run, state: _State, model_checks: Any) -> tuple[dict, dict]:
     attacks, n = run.attacks, run.n
     per_example = {k: np.concatenate(v) for k, v in state.chunks.items()}
     per_example.pop("example_id")
-    metrics = state.counts.compute(Setting.of(attacks, run.goal_names))
+    metrics = state.counts.compute(run.setting)
     metrics.update(eps=run.eps, norm=run.norm, seed=run.seed, goals=list(run.goal_names))
     on_grid = metrics.pop("grid_judged")
     metrics["judging"] = {
