@@ -1,17 +1,23 @@
-"""Issue 14, RayS block order: blocks are cut over the channels-first (C, H, W) flattening, as
-in the reference (uclaml/RayS flattens PyTorch's NCHW tensors), not over jaxbundle's
-channels-last (H, W, C) one.
+"""Issue 14, RayS blocks as the reference's (uclaml/RayS ``attack_hard_label``), in two changes:
 
-Before: ``jaxbundle/attacks/rays.py`` at commit ``d5f2fb3`` (channels-last blocks), read with
-``git show`` and imported under another name. After: the working tree's ``rays.py``.
+* ``channels_first`` (commit ``46affa0``, against ``d5f2fb3``): blocks cut over the
+  channels-first (C, H, W) flattening, as the reference (which flattens PyTorch's NCHW
+  tensors), not over jaxbundle's channels-last (H, W, C) one;
+* ``block_sizes`` (the working tree, against ``46affa0``): blocks of ``ceil(D / 2^s)`` pixels
+  (the last shorter) instead of an even split into ``min(2^s, D)`` blocks, and single pixels
+  for good after the single-pixel stage instead of a return to stage 0.
+
+Each earlier version is ``jaxbundle/attacks/rays.py`` at its commit, read with ``git show`` and
+imported under another name.
 
 1. The demo adversarially trained CNN on the first ``--n`` correctly classified MNIST test
    images: median smallest Linf distortion with ``--steps`` queries. MNIST has one channel,
-   where both orders are the same flattening, so the numbers must match exactly (checked).
+   where both orders are the same flattening, so the channels-first change must match exactly
+   (checked).
 2. Colour: a randomly initialised SmallCNN on ``--n-colour`` random uniform 32x32x3 images
    labelled by itself: the same numbers, where the block hierarchy does differ.
 
-    python experiments/fidelity_rays.py      # ~1-2 min on 2 CPU cores
+    python experiments/fidelity_rays.py      # ~3 min on 2 CPU cores
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ from jaxbundle.attacks import rays as rays_new
 from jaxbundle.bundler import bundle
 from jaxbundle.models.architectures import SmallCNN
 
-BEFORE = "d5f2fb3"  # the last commit with channels-last blocks
+CHANNELS_LAST = "d5f2fb3"  # the last commit with channels-last blocks
+EVEN_SPLIT = "46affa0"  # channels first, min(2^s, D) evenly split blocks, back to stage 0
 
 
 def old_module(commit: str, path: str, name: str):
@@ -57,45 +64,57 @@ def min_linf(attack, apply_fn, params, x, y) -> np.ndarray:
     return np.where(np.asarray(s.misclassified), np.asarray(s.distortion), np.inf)
 
 
-def compare(before, after, apply_fn, params, x, y) -> dict:
-    out = {}
-    for label, attack in (("before", before), ("after", after)):
+def summary(d: np.ndarray, seconds: float) -> dict:
+    return {"median_linf": float(np.median(d)), "mean_linf": float(np.mean(d)),
+            "success_rate": float(np.isfinite(d).mean()), "seconds": seconds}
+
+
+def compare(versions: dict, apply_fn, params, x, y) -> dict:
+    """Each version's figures, and each change (``before -> after``) per example."""
+    out, per_example = {}, {}
+    for label, attack in versions.items():
         t0 = time.perf_counter()
-        d = min_linf(attack, apply_fn, params, x, y)
-        out[label] = {"median_linf": float(np.median(d)), "mean_linf": float(np.mean(d)),
-                      "success_rate": float(np.isfinite(d).mean()),
-                      "seconds": time.perf_counter() - t0}
-        out[label + "_per_example"] = d
-    b, a = out.pop("before_per_example"), out.pop("after_per_example")
-    out["identical_per_example"] = bool(np.array_equal(b, a))
-    out["after_better_share"] = float(np.mean(a < b))
-    out["after_worse_share"] = float(np.mean(a > b))
+        per_example[label] = min_linf(attack, apply_fn, params, x, y)
+        out[label] = summary(per_example[label], time.perf_counter() - t0)
+    for change, (b, a) in CHANGES.items():
+        before, after = per_example[b], per_example[a]
+        out[change] = {"before": b, "after": a,
+                       "identical_per_example": bool(np.array_equal(before, after)),
+                       "after_better_share": float(np.mean(after < before)),
+                       "after_worse_share": float(np.mean(after > before))}
     return out
+
+
+CHANGES = {"channels_first": ("channels_last", "even_split"),
+           "block_sizes": ("even_split", "reference_blocks")}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--n", type=int, default=100)
     p.add_argument("--n-colour", type=int, default=64)
-    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--out", type=pathlib.Path,
                    default=pathlib.Path("experiments/results/fidelity_rays.json"))
     args = p.parse_args(argv)
-    old = old_module(BEFORE, "jaxbundle/attacks/rays.py", "rays_before")
-    before = old.rays(steps=args.steps, name="rays-before")
-    after = rays_new(steps=args.steps, name="rays-after")
-    out = {"before": f"rays.py at {BEFORE} (channels-last blocks)",
-           "after": "working tree (channels-first blocks, the reference's)",
-           "queries": after.queries, "steps": args.steps}
+    versions = {
+        label: old_module(commit, "jaxbundle/attacks/rays.py", f"rays_{label}").rays(
+            steps=args.steps, name=f"rays-{label}")
+        for label, commit in (("channels_last", CHANNELS_LAST), ("even_split", EVEN_SPLIT))
+    } | {"reference_blocks": rays_new(steps=args.steps, name="rays")}
+    out = {"channels_last": f"rays.py at {CHANNELS_LAST} (channels last)",
+           "even_split": f"rays.py at {EVEN_SPLIT} (channels first)",
+           "reference_blocks": "working tree (channels first, the reference's block sizes)",
+           "queries": versions["reference_blocks"].queries, "steps": args.steps}
 
     apply_fn, params = models.load_or_train(models.ADVERSARIAL)
     ds = data.load_mnist_sample("test", n=min(2000, 2 * args.n + 50))
     ok = np.asarray(jnp.argmax(apply_fn(params, jnp.asarray(ds.x)), -1)) == ds.y
     idx = np.flatnonzero(ok)[: args.n]
-    mnist = compare(before, after, apply_fn, params, ds.x[idx], ds.y[idx])
+    mnist = compare(versions, apply_fn, params, ds.x[idx], ds.y[idx])
     mnist["n"] = int(len(idx))
     mnist["note"] = ("MNIST has one channel: (C, H, W) and (H, W, C) flatten alike, so the "
-                     "change is a no-op here (identical_per_example)")
+                     "channels-first change is a no-op here (identical_per_example)")
     out["mnist_adversarial_cnn"] = mnist
     print("mnist", json.dumps(mnist), flush=True)
 
@@ -104,13 +123,13 @@ def main(argv=None) -> int:
     xc = (np.round(rng.uniform(size=(args.n_colour, 32, 32, 3)) * 255) / 255).astype(np.float32)
     cparams = net.init(jax.random.key(0), jnp.asarray(xc[:1]))
     yc = np.asarray(jnp.argmax(net.apply(cparams, jnp.asarray(xc)), -1)).astype(np.int32)
-    colour = compare(before, after, net.apply, cparams, xc, yc)
+    colour = compare(versions, net.apply, cparams, xc, yc)
     colour["n"] = args.n_colour
     colour["model"] = "SmallCNN(num_classes=10), random init (key 0), random uniform 32x32x3 images"
     out["colour_random_cnn"] = colour
     print("colour", json.dumps(colour), flush=True)
 
-    assert mnist["identical_per_example"], "one channel: the block order must not matter"
+    assert mnist["channels_first"]["identical_per_example"], "one channel: the order is moot"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out}")

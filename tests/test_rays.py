@@ -11,7 +11,7 @@ import pytest
 from jaxbundle import norms
 from jaxbundle.attacks.base import Attack, Candidate, LabelOracle, per_example_keys
 from jaxbundle.attacks.decision_based.rays import (
-    NONE_FOUND, _advance, block_order, flip_mask, max_stage, ray_image, rays,
+    NONE_FOUND, _advance, block_order, flip_mask, max_stage, num_blocks, ray_image, rays,
 )
 from jaxbundle.bundler import bundle
 from toys import KEY, images, linear_apply, linear_problem, min_distance, run_steps as _run
@@ -66,33 +66,61 @@ def test_declared_queries_are_exact():
     assert sum(rows) == a.queries_per_step * B
 
 
-@pytest.mark.parametrize("dim", [1, 5, 20, 64])
-def test_schedule_visits_every_block_then_every_pixel(dim):
-    """One cycle: stages 0..ceil(log2 D) with min(2^s, D) non-empty blocks that tile the input;
-    the last stage flips each pixel alone; then it starts again from the whole vector."""
+def _reference_blocks(dim, passes):
+    """The reference's (start, end) flips (uclaml/RayS ``attack_hard_label``, its loop over
+    ``block_level`` and ``block_ind`` rewritten): ``passes`` stages from stage 0."""
+    out, level, ind = [], 0, 0
+    while level < passes:
+        size = -(-dim // 2**level)
+        start, end = ind * size, min(dim, (ind + 1) * size)
+        out.append((level, start, end))
+        ind += 1
+        if ind == 2**level or end == dim:
+            level, ind = level + 1, 0
+    return out
+
+
+@pytest.mark.parametrize("dim", [1, 5, 20, 48, 64, 784])
+def test_schedule_is_the_references(dim):
+    """Stage by stage the flipped blocks are the reference's: ceil(D / 2^s) pixels each (the
+    last one shorter), a stage ends after 2^s blocks or at the end of the vector, and once
+    blocks are single pixels every later stage flips single pixels (no return to stage 0)."""
+    stages = max_stage(dim) + 3
+    reference = _reference_blocks(dim, stages)
     stage, block = jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32)
-    cycle = sum(min(2**s, dim) for s in range(max_stage(dim) + 1))
-    seen = {}
-    for _ in range(cycle):
+    for level, start, end in reference:
         mask = np.asarray(flip_mask((dim,), stage, block))[0]
-        assert (mask == -1).any()
-        seen.setdefault(int(stage[0]), []).append(mask == -1)
+        expected = np.ones(dim)
+        expected[start:end] = -1
+        np.testing.assert_array_equal(mask, expected, err_msg=f"{level=} {start=}")
+        assert int(stage[0]) == min(level, max_stage(dim))
         stage, block = _advance(stage, block, dim)
-    assert (int(stage[0]), int(block[0])) == (0, 0)
-    for s, masks in seen.items():
-        np.testing.assert_array_equal(np.sum(masks, axis=0), 1)  # a partition of the pixels
-    np.testing.assert_array_equal(np.asarray(seen[max_stage(dim)]), np.eye(dim, dtype=bool))
-    assert np.asarray(seen[0]).all()
+    singles = [r for r in reference if r[0] >= max_stage(dim)]
+    assert len(singles) == 3 * dim and all(e - s == 1 for _, s, e in singles)
+    for level in range(max_stage(dim) + 1):  # every stage is a partition of the pixels
+        cover = np.zeros(dim, int)
+        for _, s, e in (r for r in reference if r[0] == level):
+            cover[s:e] += 1
+        np.testing.assert_array_equal(cover, 1)
+
+
+def test_block_sizes_differ_from_an_even_split_where_2s_does_not_divide_d():
+    """MNIST (D = 784), stage 5: blocks of ceil(784 / 32) = 25 pixels, 32 of them, the last 9
+    pixels long (an even split would give blocks of 24 or 25 pixels)."""
+    masks = [np.asarray(flip_mask((784,), jnp.array([5]), jnp.array([j])))[0] == -1
+             for j in range(32)]
+    assert [int(m.sum()) for m in masks] == [25] * 31 + [9]
+    assert int(num_blocks(jnp.array([6]), 784)[0]) == 61  # ceil(784 / 13) < 2^6
 
 
 def _reference_mask(shape, stage, block):
     """The reference's block (uclaml/RayS flattens a channels-first tensor): block ``block``
-    of ``min(2^s, D)`` over the ``(C, H, W)`` flattening, returned channels last."""
+    of ``ceil(D / 2^s)`` pixels over the ``(C, H, W)`` flattening, returned channels last."""
     h, w, c = shape
     dim = h * w * c
-    n = min(2**stage, dim)
+    size = -(-dim // 2**stage)
     flat = np.ones(dim)
-    flat[(block * dim) // n : ((block + 1) * dim) // n] = -1
+    flat[block * size : min(dim, (block + 1) * size)] = -1
     return flat.reshape(c, h, w).transpose(1, 2, 0)
 
 
@@ -108,7 +136,7 @@ def test_colour_blocks_are_cut_channels_first():
     expected[:2, :, 1] = -1
     np.testing.assert_array_equal(mask, expected)
     for s in range(max_stage(48) + 1):
-        for j in range(min(2**s, 48)):
+        for j in range(int(num_blocks(jnp.array([s]), 48)[0])):
             got = np.asarray(flip_mask(shape, jnp.array([s]), jnp.array([j])))[0]
             np.testing.assert_array_equal(got, _reference_mask(shape, s, j), err_msg=f"{s=} {j=}")
 
@@ -118,7 +146,7 @@ def test_grayscale_block_order_is_the_plain_flattening():
     shape = (4, 5, 1)
     assert block_order(shape) == (1, 4, 5)
     for s in range(max_stage(20) + 1):
-        for j in range(min(2**s, 20)):
+        for j in range(int(num_blocks(jnp.array([s]), 20)[0])):
             got = np.asarray(flip_mask(shape, jnp.array([s]), jnp.array([j])))[0]
             flat = np.asarray(flip_mask((20,), jnp.array([s]), jnp.array([j])))[0]
             np.testing.assert_array_equal(got, flat.reshape(shape))

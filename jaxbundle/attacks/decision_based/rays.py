@@ -6,10 +6,11 @@ searches over ray directions ``d in {-1, +1}^D``; the radius of a direction is t
 ``r`` with ``label(x0 + r d) != y`` (images clipped to the box), and RayS minimises it:
 
 * start from ``d = (1, ..., 1)``;
-* hierarchical block flips: at stage ``s`` the flattened input is cut into ``2^s`` contiguous
-  blocks of (nearly) equal size, visited in order; the trial direction flips the signs of one
-  block of the best direction. After the last block the stage grows (blocks halve) until they
-  hold one pixel each, then it starts again at ``s = 0`` (the whole vector);
+* hierarchical block flips: at stage ``s`` the flattened input is cut into blocks of
+  ``ceil(D / 2^s)`` pixels (at most ``2^s`` blocks, the last one possibly shorter), visited in
+  order; the trial direction flips the signs of one block of the best direction. After the
+  last block the stage grows (blocks halve) until they hold one pixel each; from then on every
+  stage flips single pixels, as in the reference;
 * a trial is checked with ONE query just below the best radius; if it is not adversarial
   there it cannot improve and is rejected (the paper's fast check); if it is, it becomes the
   best direction and a binary search refines its radius.
@@ -38,11 +39,9 @@ distortion is its best radius; the misclassify goal counts those within eps.
 Details and deviations:
 
 * Radii are pixel levels, not the paper's continuous binary search to a tolerance (see above).
-* Blocks split the flattened input (all channels) at ``floor(j D / n)`` with ``n = min(2^s, D)``
-  blocks at stage ``s = 0..ceil(log2 D)``: the last stage flips single pixels. The reference
-  (uclaml/RayS, ``attack_hard_label``) cuts ``ceil(D / 2^s)``-sized blocks instead; the two
-  coincide when ``2^s`` divides ``D``. After the single-pixel stage the reference stays at
-  single pixels; here the cycle starts again from the whole vector.
+* Blocks are the reference's (uclaml/RayS, ``attack_hard_label``): ``ceil(D / 2^s)`` pixels
+  each over the flattened input (all channels), stage ``s`` ending after ``2^s`` blocks or at
+  the end of the vector, and single pixels for good once ``2^s >= D``.
 * Block order is the reference's: a channels-last image ``(H, W, C)`` is flattened channels
   first, ``(C, H, W)`` (:func:`block_order`), as PyTorch's tensors are, so for RGB stage 1's
   first block is the red plane and the top half of the green one (in channels-last order it
@@ -65,7 +64,8 @@ from jaxbundle import norms
 from jaxbundle.attacks.base import Attack, Candidate, LabelOracle, check_count
 
 __all__ = [
-    "RaySConfig", "RaySState", "ray_image", "block_order", "flip_mask", "init", "step", "rays",
+    "RaySConfig", "RaySState", "ray_image", "block_order", "block_size", "flip_mask", "init",
+    "step", "rays",
 ]
 
 LEVELS = norms.PIXEL_LEVELS  # radius levels: k / 255
@@ -86,8 +86,8 @@ class RaySState(NamedTuple):
     searching: jax.Array  # bool [B]: bisecting the radius of d (else: checking block flips)
     lo: jax.Array  # int32 [B] bisection: largest level known not adversarial along d
     iters: jax.Array  # int32 [B] bisections done in the running search
-    stage: jax.Array  # int32 [B] block stage s: 2^s blocks
-    block: jax.Array  # int32 [B] index of the next block to flip, in [0, min(2^s, D))
+    stage: jax.Array  # int32 [B] block stage s: blocks of ceil(D / 2^s) pixels
+    block: jax.Array  # int32 [B] index of the next block to flip, in [0, num_blocks(s, D))
 
 
 def ray_image(
@@ -105,9 +105,16 @@ def max_stage(dim: int) -> int:
     return int(math.ceil(math.log2(dim))) if dim > 1 else 0
 
 
+def block_size(stage: jax.Array, dim: int) -> jax.Array:
+    """Pixels per block at ``stage``: ``ceil(D / 2^s)``, the reference's ``block_size``."""
+    return (dim + jnp.left_shift(1, stage) - 1) // jnp.left_shift(1, stage)
+
+
 def num_blocks(stage: jax.Array, dim: int) -> jax.Array:
-    """Blocks at ``stage``: ``min(2^s, D)`` (the last stage has one pixel per block)."""
-    return jnp.minimum(jnp.left_shift(1, stage), dim)
+    """Blocks at ``stage``: ``ceil(D / block_size)``, at most ``2^s`` (the last one may be
+    shorter; the reference's stage ends at ``2^s`` blocks or at the end of the vector)."""
+    size = block_size(stage, dim)
+    return (dim + size - 1) // size
 
 
 def block_order(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -125,29 +132,26 @@ def from_block_order(mask: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 
 
 def flip_mask(shape: tuple[int, ...], stage: jax.Array, block: jax.Array) -> jax.Array:
-    """``[B, *shape]`` signs: -1 on block ``block`` of the ``n = min(2^s, D)`` blocks of the
-    flat input, flattened channels first (:func:`block_order`, as the reference's
-    ``sgn.view(B, D)`` of a ``(C, H, W)`` tensor).
-
-    Block ``j`` covers flat indices ``[floor(j D / n), floor((j + 1) D / n))``, never empty. float32
-    is exact here: ``D / n`` is ``D`` over a power of two or 1, and the products stay below 2^24.
-    """
+    """``[B, *shape]`` signs: -1 on block ``block`` of stage ``stage`` of the flat input,
+    flattened channels first (:func:`block_order`, as the reference's ``sgn.view(B, D)`` of a
+    ``(C, H, W)`` tensor): flat indices ``[j m, min(D, (j + 1) m))`` with
+    ``m = ceil(D / 2^s)`` (:func:`block_size`), never empty for ``j < num_blocks``."""
     dim = math.prod(shape)
-    size = jnp.float32(dim) / num_blocks(stage, dim).astype(jnp.float32)  # [B], >= 1
-    start = jnp.floor(block.astype(jnp.float32) * size)
-    end = jnp.floor((block + 1).astype(jnp.float32) * size)
-    i = jnp.arange(dim, dtype=jnp.float32)[None, :]
+    size = block_size(stage, dim)  # [B], >= 1
+    start = block * size
+    end = jnp.minimum(start + size, dim)
+    i = jnp.arange(dim, dtype=jnp.int32)[None, :]
     inside = (i >= start[:, None]) & (i < end[:, None])
     signs = jnp.where(inside, -1.0, 1.0).reshape((-1,) + block_order(shape))
     return from_block_order(signs, shape)
 
 
 def _advance(stage: jax.Array, block: jax.Array, dim: int) -> tuple[jax.Array, jax.Array]:
-    """The next (stage, block) of the hierarchical schedule."""
+    """The next (stage, block) of the hierarchical schedule; once blocks are single pixels the
+    schedule stays there (the reference's later stages all have block size 1)."""
     block = block + 1
     next_stage = block >= num_blocks(stage, dim)
-    stage = jnp.where(next_stage, stage + 1, stage)
-    stage = jnp.where(stage > max_stage(dim), 0, stage)
+    stage = jnp.where(next_stage, jnp.minimum(stage + 1, max_stage(dim)), stage)
     return stage, jnp.where(next_stage, 0, block)
 
 
