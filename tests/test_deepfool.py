@@ -48,7 +48,7 @@ def test_factory_defaults_and_equality():
     a = deepfool()
     assert isinstance(a, Attack) and a.kind == "white-box" and a.goal == "min_norm"
     assert a.norm == "l2" and a.num_steps == 50 and a.num_restarts == 1 and a.name == "deepfool"
-    assert a.config.candidates == 9 and a.config.overshoot == 0.02
+    assert a.config.candidates == 9 and a.config.overshoot == 0.02 and a.config.extra == 1e-4
     assert a.gradients_per_step == 9 and a.gradients == 50 * 9
     assert deepfool("linf", candidates=3) == deepfool("linf", candidates=3)
     hash(a)
@@ -68,6 +68,8 @@ def test_factory_rejects_bad_arguments():
         deepfool(overshoot=-0.1)
     with pytest.raises(ValueError, match="overshoot"):
         deepfool(overshoot=float("nan"))
+    with pytest.raises(ValueError, match="extra"):
+        deepfool(extra=-1e-4)
 
 
 def test_too_many_candidates_fail_at_trace_time():
@@ -173,12 +175,12 @@ def test_frozen_once_misclassified_and_success_never_lost():
 
 @pytest.mark.parametrize("norm", ["linf", "l2"])
 def test_exact_in_one_step_on_binary_linear_model(norm):
-    """Two classes: the first step is the analytic minimal perturbation, then the overshoot."""
+    """Two classes: the first step is the analytic minimal perturbation (the paper's step,
+    ``extra=0``; the reference's extra 1e-4 lengthens it by that much), then the overshoot."""
     params, xf, yf = linear_problem(n=200, k=2, seed=1)
     model = WhiteBoxModel(linear_apply, params)
     x, y = images(xf), jnp.asarray(yf)
-    attack = deepfool(norm, steps=1, candidates=1)
-    states, _ = _run(attack, model, x, y)
+    states, _ = _run(deepfool(norm, steps=1, candidates=1, extra=0.0), model, x, y)
     dist = min_distance(params, xf, yf, norm)
     w = np.asarray(params["w"])
     sign = np.where(yf == 0, 1.0, -1.0)[:, None]  # towards the other class
@@ -191,17 +193,22 @@ def test_exact_in_one_step_on_binary_linear_model(norm):
     np.testing.assert_allclose(r_tot, expected, rtol=1e-4, atol=1e-6)
     delta = np.asarray(states[1].x - x).reshape(200, -1)
     np.testing.assert_allclose(delta, 1.02 * r_tot, rtol=1e-4, atol=1e-6)
-    ratio = _ratio(params, xf, yf, norm, deepfool(norm, steps=3, candidates=1))
+    ratio = _ratio(params, xf, yf, norm, deepfool(norm, steps=3, candidates=1, extra=0.0))
     np.testing.assert_allclose(ratio, 1.02, rtol=1e-4)
+    states, _ = _run(deepfool(norm, steps=1, candidates=1), model, x, y)
+    longer = expected * ((dist + 1e-4) / dist)[:, None]
+    np.testing.assert_allclose(np.asarray(states[1].r_tot).reshape(200, -1), longer, rtol=1e-4,
+                               atol=1e-6)
 
 
 @pytest.mark.parametrize("norm", ["linf", "l2"])
 def test_within_overshoot_of_the_analytic_distance_multiclass(norm):
     params, x, y = linear_problem(n=200, k=4, seed=1)
-    ratio = _ratio(params, x, y, norm, deepfool(norm, steps=5, candidates=3))
+    ratio = _ratio(params, x, y, norm, deepfool(norm, steps=5, candidates=3, extra=0.0))
     assert ratio.min() >= 1.0 - 1e-4 and ratio.max() <= 1.02 + 1e-4
     # A smaller overshoot gets within 1% of the minimum.
-    ratio = _ratio(params, x, y, norm, deepfool(norm, steps=5, candidates=3, overshoot=0.005))
+    ratio = _ratio(params, x, y, norm, deepfool(norm, steps=5, candidates=3, overshoot=0.005,
+                                                   extra=0.0))
     assert ratio.min() >= 1.0 - 1e-4 and ratio.max() <= 1.01
 
 
@@ -210,3 +217,33 @@ def test_fewer_candidates_are_sound_but_may_miss_the_nearest_class():
     ratio = _ratio(params, x, y, "l2", deepfool("l2", steps=5, candidates=1))
     assert ratio.min() >= 1.0 - 1e-4
     assert np.median(ratio) >= 1.0 - 1e-4
+
+
+def _tie_apply(params, x):
+    """Two classes: z_0 = 0.5, z_1 = the first pixel (a tie at exactly 0.5)."""
+    first = x.reshape(x.shape[0], -1)[:, 0]
+    return jnp.stack([jnp.full_like(first, 0.5), first * params], axis=-1)
+
+
+def test_the_references_extra_step_leaves_an_exact_tie():
+    """From pixel 0.25 the linearised step (length 0.25, no overshoot) lands exactly on the tie
+    z_0 = z_1 = 0.5: margin 0, not misclassified, and with the paper's bare step (extra=0) the
+    next steps are zero, so the iterate stays on the tie for good. The reference's extra 1e-4
+    crosses it: the smallest adversarial distortion is 0.25 + 1e-4."""
+    x = jnp.full((1, 2, 2, 1), 0.25, jnp.float32)
+    y = jnp.zeros(1, jnp.int32)
+    model = WhiteBoxModel(_tie_apply, jnp.float32(1.0))
+    stuck, _ = _run(deepfool("l2", steps=6, candidates=1, overshoot=0.0, extra=0.0), model, x, y)
+    assert float(stuck[-1].x[0, 0, 0, 0]) == 0.5
+    assert float(losses.margin(_tie_apply(1.0, stuck[-1].x), y)[0]) == 0.0
+    for norm in ("l2", "linf"):
+        r = bundle([deepfool(norm, steps=6, candidates=1, overshoot=0.0)], _tie_apply,
+                   jnp.float32(1.0), x, y, KEY, eps=0.0, norm=norm, judging="float")
+        best = r.best["min_norm"]
+        assert bool(best.score.misclassified[0])
+        np.testing.assert_allclose(float(best.x[0, 0, 0, 0]), 0.25 + 0.25 + 1e-4, rtol=1e-6)
+        assert r.best["min_norm"].score.distortion[0] == pytest.approx(0.25 + 1e-4, rel=1e-4)
+    stuck_bundle = bundle([deepfool("l2", steps=6, candidates=1, overshoot=0.0, extra=0.0)],
+                          _tie_apply, jnp.float32(1.0), x, y, KEY, eps=0.0, norm="l2",
+                          judging="float")
+    assert not bool(stuck_bundle.best["min_norm"].score.misclassified[0])

@@ -7,8 +7,9 @@ highest *clean* logits, chosen once in ``init``)::
 
     f_j = z_j(x) - z_y(x)            w_j = grad_x f_j(x)
     l   = argmin_j |f_j| / ||w_j||_*                    (dual norm: L1 for Linf, L2 for L2)
-    r   = |f_l| / ||w_l||_1 * sign(w_l)                 (Linf)
-    r   = |f_l| / ||w_l||_2^2 * w_l                     (L2)
+    p   = |f_l| / ||w_l||_*  +  extra                  (the step's length; extra = 1e-4)
+    r   = p * sign(w_l)                                 (Linf)
+    r   = p * w_l / ||w_l||_2                           (L2)
     r_tot <- r_tot + r
     x   <- clip_[0,1](x0 + (1 + overshoot) * r_tot)
 
@@ -33,8 +34,11 @@ classes, so ``init`` raises ``ValueError`` at trace time when ``candidates > K -
 silently computing fewer gradients than ``gradients_per_step`` reports. Pass
 ``candidates=K - 1`` for small models (the default 9 fits 10-class data such as MNIST).
 
-Not in the paper's algorithm and not here: the reference code's extra ``1e-4`` added to each
-step's length (the overshoot alone crosses the boundary).
+``extra`` is the reference code's ``1e-4`` added to each step's length "for numerical
+stability" (LTS4/DeepFool, ``r_i = (pert + 1e-4) * w / ||w||``), not in the paper's algorithm.
+Without it an iterate that lands exactly on a tie of two logits (``f_l = 0``, which happens on
+piecewise-linear networks) gets a zero step and stays on the tie for every later step: the
+overshoot scales ``r_tot``, which no longer changes. ``extra=0.0`` runs the paper's step.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ class DeepFoolConfig(NamedTuple):
     norm: str  # "linf" or "l2"
     candidates: int  # other classes linearised per step (highest clean logits, y excluded)
     overshoot: float  # eta: x = x0 + (1 + eta) * r_tot
+    extra: float  # added to each step's length (the reference's 1e-4)
 
 
 class DeepFoolState(NamedTuple):
@@ -112,7 +117,7 @@ def step(config: DeepFoolConfig, state: DeepFoolState, model: WhiteBoxModel):
     best = jnp.argmin(dist, axis=1)  # [B]
     w = jnp.moveaxis(grads, 0, 1)  # [B, C, ...]
     w = jnp.take_along_axis(w, best.reshape((-1, 1) + (1,) * (w.ndim - 2)), axis=1)[:, 0]
-    length = jnp.take_along_axis(dist, best[:, None], axis=1)[:, 0]  # [B] ||r||
+    length = jnp.take_along_axis(dist, best[:, None], axis=1)[:, 0] + config.extra  # [B] ||r||
     direction = jnp.sign(w) if config.norm == "linf" else norms.normalize(w, "l2")
     r = norms.per_example(length, w) * direction
     done = norms.per_example(losses.margin(logits, state.y) > 0, w)
@@ -128,6 +133,7 @@ def deepfool(
     candidates: int = 9,
     overshoot: float = 0.02,
     name: str | None = None,
+    extra: float = 1e-4,
 ) -> Attack:
     """DeepFool: repeated steps to the nearest linearised decision boundary.
 
@@ -143,6 +149,8 @@ def deepfool(
         ``gradients_per_step == candidates``. Default 9 (all other classes of 10).
       overshoot: eta, applied to the total perturbation. Default 0.02, the paper's.
       name: report name; default ``"deepfool"``.
+      extra: added to each step's length, in the norm's units; default ``1e-4``, the reference
+        code's (it moves an iterate off an exact tie of two logits); ``0.0``: the paper's step.
 
     Returns:
       An :class:`~jaxbundle.attacks.base.Attack` with ``goal="min_norm"``.
@@ -153,6 +161,8 @@ def deepfool(
     check_count("deepfool", "candidates", candidates)
     if not 0.0 <= overshoot < float("inf"):
         raise ValueError(f"deepfool overshoot must be finite and >= 0, got {overshoot!r}")
+    if not 0.0 <= extra < float("inf"):
+        raise ValueError(f"deepfool extra must be finite and >= 0, got {extra!r}")
     return Attack(
         name=name or "deepfool",
         kind="white-box",
@@ -162,6 +172,7 @@ def deepfool(
         gradients_per_step=candidates,
         init=init,
         step=step,
-        config=DeepFoolConfig(norm=norm, candidates=candidates, overshoot=float(overshoot)),
+        config=DeepFoolConfig(norm=norm, candidates=candidates, overshoot=float(overshoot),
+                              extra=float(extra)),
         goal="min_norm",
     )
