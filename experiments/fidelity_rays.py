@@ -42,6 +42,8 @@ from jaxbundle.models.architectures import SmallCNN
 
 CHANNELS_LAST = "d5f2fb3"  # the last commit with channels-last blocks
 EVEN_SPLIT = "46affa0"  # channels first, min(2^s, D) evenly split blocks, back to stage 0
+CHANGES = {"channels_first": ("channels_last", "even_split"),  # change: (before, after)
+           "block_sizes": ("even_split", "reference_blocks")}
 
 
 def old_module(commit: str, path: str, name: str):
@@ -83,10 +85,6 @@ def compare(versions: dict, apply_fn, params, x, y) -> dict:
                        "after_better_share": float(np.mean(after < before)),
                        "after_worse_share": float(np.mean(after > before))}
     return out
-
-
-CHANGES = {"channels_first": ("channels_last", "even_split"),
-           "block_sizes": ("even_split", "reference_blocks")}
 
 
 def main(argv=None) -> int:

@@ -216,14 +216,14 @@ def _evaluate_batch(
 
 def _summary(result, x, y, example_id, mask, eps, attacks, mesh, apply_fn, params):
     """A batch's counts and per-example outputs, replicated on every device under a mesh."""
-    black_box = tuple(a.black_box for a in attacks)
+    setting = Setting.of(attacks, tuple(result.best))
     eps_b = jnp.full(y.shape, eps, jnp.float32)
-    outputs = dict(per_example_arrays(result, x, eps_b, black_box), label=y, example_id=example_id,
+    outputs = dict(per_example_arrays(result, x, eps_b, setting.black_box), label=y,
+                   example_id=example_id,
                    zero_gradient=checks_lib.zero_gradients(apply_fn, params, x, y))
     if is_stochastic(apply_fn):  # the fraction of the judge's calls each image fools
         outputs.update(success_rate=result.best["misclassify"].score.rate,
                        clean_success_rate=result.clean.rate)
-    setting = Setting.of(attacks, tuple(result.best))
     out = (Counts.from_result(result, mask, eps_b, setting), outputs)
     if mesh is not None:
         out = jax.lax.with_sharding_constraint(out, NamedSharding(mesh, PartitionSpec()))

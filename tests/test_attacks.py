@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib
+import pathlib
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -350,9 +353,6 @@ def _catalogue_modules():
 @pytest.mark.parametrize("info,module_name,factory_names", list(_catalogue_modules()),
                          ids=[i.name for i in attacks.CATALOGUE])
 def test_attack_modules_and_factories_are_apart(info, module_name, factory_names):
-    import importlib
-    import types
-
     module = importlib.import_module(module_name)
     package, stem = module_name.rsplit(".", 1)
     # The subpackage attribute is the module itself, not rebound to the factory: help() on it
@@ -371,8 +371,6 @@ def test_attack_modules_and_factories_are_apart(info, module_name, factory_names
 
 
 def test_every_attack_module_is_in_the_catalogue():
-    import pathlib
-
     root = pathlib.Path(attacks.__file__).parent
     found = {f"jaxbundle.attacks.{p.parent.name}.{p.stem}"
              for p in root.glob("*/*.py") if p.stem != "__init__"}

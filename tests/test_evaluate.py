@@ -188,12 +188,11 @@ SETTING = metrics_lib.Setting(("a", "b"), (False, True), ("misclassify", "max_co
 
 
 def _counts(v) -> Counts:
-    """Counts of every metric of SETTING from 16 integers, in field order."""
-    it = iter(v)
-    return Counts({name: type(m)(*(jnp.asarray([next(it) for _ in range(max(1, np.size(f)))],
-                                                jnp.int32).reshape(np.shape(f))
-                                    for f in m))
-                   for name, m in Counts.empty(SETTING).metrics.items()})
+    """Counts of every metric of SETTING, filled leaf by leaf from 16 integers."""
+    leaves, tree = jax.tree.flatten(Counts.empty(SETTING))
+    parts = np.split(np.asarray(v, np.int32), np.cumsum([leaf.size for leaf in leaves])[:-1])
+    return jax.tree.unflatten(
+        tree, [jnp.asarray(part).reshape(leaf.shape) for part, leaf in zip(parts, leaves)])
 
 
 counts_strategy = st.builds(_counts, st.lists(st.integers(0, 10_000), min_size=16, max_size=16))
