@@ -66,7 +66,7 @@ from jaxbundle.bundler import window_start
 
 __all__ = [
     "Check", "FLAG_NAMES", "model_checks", "zero_gradients", "example_flags", "summarise", "add",
-    "white_box_success",
+    "white_box_success", "non_monotone", "transfer_beats_white_box",
 ]
 
 # Per-example flags, in the order of per_example["check_flags"]'s columns.
@@ -269,6 +269,24 @@ def white_box_success(per_example: dict[str, np.ndarray], attacks: Sequence[Atta
     """``[n]``: fooled by at least one white-box attack of the bundle."""
     white = [k for k, a in enumerate(attacks) if not a.black_box]
     return per_example["attack_success"][:, white].astype(bool).any(axis=1)
+
+
+def _correct(per_example: dict[str, np.ndarray]) -> np.ndarray:
+    return per_example["clean_prediction"] == per_example["label"]
+
+
+def non_monotone(per_example: dict[str, np.ndarray], bisected: np.ndarray) -> np.ndarray:
+    """``[n]``: correctly classified, fooled by the bisection on eps (``bisected``: its
+    distortion, ``inf`` where it found nothing within eps) and not by the evaluation at eps."""
+    return _correct(per_example) & np.isfinite(bisected) & ~per_example["success"].astype(bool)
+
+
+def transfer_beats_white_box(per_example: dict[str, np.ndarray], transferred: np.ndarray,
+                             attacks: Sequence[Attack]) -> np.ndarray:
+    """``[n]``: correctly classified, fooled by a surrogate's transfer (``transferred``) and by
+    no white-box attack of the bundle."""
+    return (_correct(per_example) & np.asarray(transferred, bool)
+            & ~white_box_success(per_example, attacks))
 
 
 def add(metrics: dict, per_example: dict[str, np.ndarray], name: str, flags: np.ndarray,

@@ -31,10 +31,17 @@ def build_attacks(args: argparse.Namespace):
     """The attacks of ``--attacks`` if given, else of ``--bundle``."""
     from jaxbundle import suites
 
-    options = dict(steps=args.steps, restarts=args.restarts, step_size=args.step_size)
+    options = dict(steps=args.steps, restarts=args.restarts, step_size=args.step_size,
+                   queries=args.queries)
     if args.attacks:
-        return tuple(suites.attack(name, args.norm, **options) for name in args.attacks)
-    return suites.bundle_attacks(args.bundle, args.norm, **options)
+        built = tuple(suites.attack(name, args.norm, **options) for name in args.attacks)
+    else:
+        built = suites.bundle_attacks(args.bundle, args.norm, **options)
+    if args.queries is not None and not any(a.name in suites.QUERY_ATTACKS for a in built):
+        with_queries = ", ".join(sorted(suites.QUERY_ATTACKS))
+        raise ValueError(f"--queries sets the query budget of {with_queries}; no attack of "
+                         "this run has one")
+    return built
 
 
 def _positive_int(text: str) -> int:
@@ -154,6 +161,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     threat.add_argument(
         "--restarts", type=_positive_int, default=None, help="random restarts of PGD / APGD"
+    )
+    threat.add_argument(
+        "--queries", type=_positive_int, default=None, metavar="Q",
+        help="model queries per example of every black-box attack (Square, RayS, SurFree; "
+        "default: the bundle's own, else 5,000)",
     )
     threat.add_argument(
         "--step-size", type=_positive_float, default=None, help="PGD step (default 2.5*eps/steps)"
@@ -330,6 +342,7 @@ def _evaluate(args: argparse.Namespace, console: Console) -> None:
     config = {
         "threat_model": preset, "bundle": None if args.attacks else args.bundle,
         "steps": args.steps, "restarts": args.restarts, "step_size": args.step_size,
+        "queries": args.queries,
     }
     cache = args.cache_dir or str(models.default_cache_dir())
     with job.compilation_cache(None if args.no_compile_cache else os.path.join(cache, "xla")):

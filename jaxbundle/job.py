@@ -354,9 +354,7 @@ def run_job(
                 )
                 evaluation.per_example["best_effort_distortion"] = d
                 pe = evaluation.per_example
-                correct = pe["clean_prediction"] == pe["label"]
-                checks.add(metrics, pe, "non_monotone",
-                           correct & np.isfinite(d) & ~pe["success"].astype(bool),
+                checks.add(metrics, pe, "non_monotone", checks.non_monotone(pe, d),
                            "{count} correctly classified examples were fooled by the bisection "
                            "at a radius at most eps but not by the evaluation at eps")
             if loaded_surrogates:
@@ -366,9 +364,8 @@ def run_job(
                 )
                 evaluation.per_example["transfer_success"] = success
                 pe = evaluation.per_example
-                correct = pe["clean_prediction"] == pe["label"]
                 checks.add(metrics, pe, "transfer_beats_white_box",
-                           correct & success & ~checks.white_box_success(pe, attacks),
+                           checks.transfer_beats_white_box(pe, success, attacks),
                            "{count} correctly classified examples were fooled by a surrogate's "
                            "transfer and by no white-box attack on the model")
             results[ref.name] = (evaluation, time.perf_counter() - start)

@@ -37,8 +37,8 @@ candidate per example:
     The white-box minimum-norm attacks for the success-vs-distortion curve (L2: FMN, BP, CW,
     DeepFool; Linf: FMN, DeepFool).
 
-``steps`` and ``restarts`` override every iterative white-box attack's defaults (black-box
-budgets are queries and stay); ``step_size`` is PGD's.
+``steps`` and ``restarts`` override every iterative white-box attack's defaults, ``queries``
+the query budget of every black-box attack (:data:`QUERY_ATTACKS`); ``step_size`` is PGD's.
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ from typing import Any, Callable, NamedTuple
 
 from jaxbundle import attacks as attacks_lib
 from jaxbundle import norms
-from jaxbundle.attacks.base import Attack
+from jaxbundle.attacks.base import Attack, check_count
 
-__all__ = ["ATTACKS", "BUNDLES", "BUNDLE_SCHEDULES", "Schedule", "attack", "bundle_attacks",
-           "bundle_schedule"]
+__all__ = ["ATTACKS", "BUNDLES", "BUNDLE_SCHEDULES", "QUERY_ATTACKS", "Schedule", "attack",
+           "bundle_attacks", "bundle_schedule"]
 
 
 def _pgd(loss: str) -> Callable[..., Attack]:
@@ -147,6 +147,9 @@ def _surfree(norm: str, queries: int) -> Attack:
         raise ValueError(f"attack 'surfree' works in norm 'l2', not {norm!r}")
     return attacks_lib.surfree(queries=queries)
 
+# The attacks whose budget is model queries (``queries=``, 5,000 by default), not steps.
+QUERY_ATTACKS = frozenset({"square", "square-aa", "rays", "surfree"})
+
 # name -> tuple of (attack name, norms it applies to or None for all, overrides)
 BUNDLES: dict[str, tuple[tuple[str, tuple[str, ...] | None, dict[str, Any]], ...]] = {
     "standard": (("apgd-ce", None, {}), ("apgd-t", None, {}), ("fmn", None, {})),
@@ -220,12 +223,19 @@ def attack(
     steps: int | None = None,
     restarts: int | None = None,
     step_size: float | None = None,
+    queries: int | None = None,
 ) -> Attack:
-    """Builds the attack called ``name`` (see :data:`ATTACKS`) for the threat norm ``norm``."""
+    """Builds the attack called ``name`` (see :data:`ATTACKS`) for the threat norm ``norm``.
+
+    ``queries`` is the model-query budget of a black-box attack of :data:`QUERY_ATTACKS`
+    (default 5,000); the other attacks have none and ignore it."""
     norms.check_norm(norm)
     if name not in ATTACKS:
         raise ValueError(f"unknown attack {name!r}; choose from {', '.join(ATTACKS)}")
-    built = ATTACKS[name](norm, steps=steps, restarts=restarts, step_size=step_size)
+    options: dict[str, Any] = dict(steps=steps, restarts=restarts, step_size=step_size)
+    if name in QUERY_ATTACKS and queries is not None:
+        options["queries"] = check_count(name, "queries", queries, minimum=2)
+    built = ATTACKS[name](norm, **options)
     if built.norm != norm:
         raise ValueError(f"attack {name!r} works in norm {built.norm!r}, not {norm!r}")
     return built
@@ -238,8 +248,12 @@ def bundle_attacks(
     steps: int | None = None,
     restarts: int | None = None,
     step_size: float | None = None,
+    queries: int | None = None,
 ) -> tuple[Attack, ...]:
-    """The attacks of the bundle called ``name`` (see :data:`BUNDLES`) for ``norm``."""
+    """The attacks of the bundle called ``name`` (see :data:`BUNDLES`) for ``norm``.
+
+    ``steps`` and ``restarts`` override every iterative white-box attack's own, ``queries``
+    every black-box attack's query budget (the bundle's own otherwise)."""
     norms.check_norm(norm)
     if name not in BUNDLES:
         raise ValueError(f"unknown bundle {name!r}; choose from {', '.join(BUNDLES)}")
@@ -248,13 +262,11 @@ def bundle_attacks(
         if only is not None and norm not in only:
             continue
         kwargs = dict(overrides)
-        kwargs.update({k: v for k, v in (("steps", steps), ("restarts", restarts))
-                       if v is not None})
-        queries = kwargs.pop("queries", None)
-        if queries is None:
-            built.append(attack(attack_name, norm, step_size=step_size, **kwargs))
-        else:
-            built.append(ATTACKS[attack_name](norm, queries=queries))
+        kwargs.update({k: v for k, v in (("steps", steps), ("restarts", restarts),
+                                         ("queries", queries)) if v is not None})
+        if attack_name in QUERY_ATTACKS:
+            kwargs = {"queries": kwargs.get("queries")}
+        built.append(attack(attack_name, norm, step_size=step_size, **kwargs))
     if not built:
         raise ValueError(f"bundle {name!r} has no attack for norm {norm!r}")
     return tuple(built)

@@ -49,9 +49,17 @@ ATTACKS = [
     pytest.param(lambda: attacks.rays(steps=6), "linf", id="rays"),
     pytest.param(lambda: attacks.square("linf", queries=6), "linf", id="square-linf"),
     pytest.param(lambda: attacks.square("l2", queries=6), "l2", id="square-l2"),
-    pytest.param(lambda: attacks.surfree(queries=60, history=4), "l2", id="surfree"),
+    # SurFree's steps compile slowly: its conformance runs in the whole suite only (its own
+    # tests, tests/test_surfree.py, run in the fast tier).
+    pytest.param(lambda: attacks.surfree(queries=60, history=4), "l2", id="surfree",
+                 marks=pytest.mark.slow),
 ]
 EPS = {"linf": 0.1, "l2": 0.5, "l1": 1.0}
+# The attacks of ATTACKS whose iterates depend on their keys (random starts, proposals or
+# directions); the others (and RayS's first restart, from the all-ones direction) are
+# deterministic functions of the images.
+RANDOMISED = {"pgd-linf", "pgd-l2-margin", "pgd-dlr", "apgd-ce-linf", "apgd-dlr-l2", "apgd-t",
+              "spsa", "square-linf", "square-l2", "surfree"}
 
 
 def _setup(norm, attack=None):
@@ -88,7 +96,7 @@ class TestConformance:
         assert isinstance(attack, Attack)
         assert attack.norm == norm and attack.kind in KINDS
         assert attack == make(), "building an attack twice must give an equal (cache-hit) attack"
-        hash(attack)
+        assert {attack: "cached"}.get(make()) == "cached"  # equal attacks hash alike (jit key)
 
     def test_state_type_stable_and_jittable(self, make, norm):
         attack = make()
@@ -128,12 +136,22 @@ class TestConformance:
             if cand.logits is not None:  # label-only attacks have none
                 np.testing.assert_allclose(cand.logits, white.logits(cand.x), rtol=1e-5, atol=1e-5)
 
-    def test_same_key_same_output(self, make, norm):
+    def test_randomness_comes_from_the_keys_only(self, make, norm, request):
+        """A randomised attack draws from the per-example keys it is given (other keys, other
+        iterates; a fixed key inside the attack would give the same), a deterministic one
+        ignores them (:data:`RANDOMISED` lists which is which)."""
         attack = make()
         model, x, y, eps, keys = _setup(norm, attack)
-        a = _run(attack, model, keys, x, y, eps)[0][-1].x
-        b = _run(attack, model, keys, x, y, eps)[0][-1].x
-        np.testing.assert_array_equal(a, b)
+
+        @jax.jit  # one program for both keys (SurFree's eager steps retrace every call)
+        def trail(keys):
+            states, cands = _run(attack, model, keys, x, y, eps)
+            return jnp.stack([p.x for p in (*states, *cands)])
+
+        other = attacks.per_example_keys(jax.random.key(99), jnp.arange(16))
+        randomised = request.node.callspec.id in RANDOMISED
+        differ = not np.array_equal(np.asarray(trail(keys)), np.asarray(trail(other)))
+        assert differ == randomised
 
     def test_rows_can_be_gathered_mid_run(self, make, norm):
         """Every state leaf has the batch axis first, and rows step independently: stepping

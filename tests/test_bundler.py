@@ -287,10 +287,12 @@ def test_input_check_traces_the_model_once_per_model_and_shapes():
     assert traces == [(6, 20), (6, 20), (2, 20)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stochastic", [False, True])
 def test_restart_mode_map_and_unrolling_give_the_default_result(stochastic):
     """Restarts one at a time (lax.map) and an unrolled scan are the same program as the
-    default vmap and rolled scan, per example: the same images, scores and winners."""
+    default vmap and rolled scan, per example: the same images, scores and winners. (The
+    unroll factor goes to ``lax.scan`` as it is; 2 over 5 steps also runs its remainder.)"""
     import jaxbundle
 
     params, x, y = linear_problem(n=12, k=4, seed=4)
@@ -305,7 +307,7 @@ def test_restart_mode_map_and_unrolling_give_the_default_result(stochastic):
     run = lambda **kw: bundle(atts, apply_fn, params, x, y, KEY, eps=eps, **kw)  # noqa: E731
     default = run()
     assert 0 < int(np.sum(np.asarray(default.best["misclassify"].score.misclassified))) < 12
-    for kw in (dict(restart_mode="map"), dict(unroll=True), dict(unroll=2)):
+    for kw in (dict(restart_mode="map"), dict(unroll=2)):
         got = run(**kw)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                      jax.tree.map(np.asarray, got.best), jax.tree.map(np.asarray, default.best))

@@ -37,6 +37,7 @@ def assert_same(fn, *args):
         np.testing.assert_allclose(v, u, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.slow
 @settings(max_examples=25, deadline=None)
 @given(
     layout=st.sampled_from(LAYOUTS),
@@ -154,7 +155,8 @@ def _opaque(apply_fn):
     return f
 
 
-@pytest.mark.parametrize("attack", [pgd(steps=5, restarts=2), fab(steps=4, targets=3)],
+@pytest.mark.parametrize("attack", [pgd(steps=5, restarts=2),
+                                    pytest.param(fab(steps=4, targets=3), marks=pytest.mark.slow)],
                          ids=["pgd-restarts", "fab-vmapped-vjp"])
 def test_bundle_results_equal_without_the_rewrite(attack):
     """The bundler (which rewrites on CPU) finds the same images as on the unrewritten model,

@@ -151,3 +151,26 @@ def test_a_check_the_job_adds_fails_on_any_flag_and_becomes_a_column():
     np.testing.assert_array_equal(r.per_example["check_flags"][:, before], flags)
     assert "check transfer_beats_white_box FAILED: 2 examples" in "\n".join(
         check_lines(r.metrics["checks"]))
+
+
+def test_the_job_checks_rules_on_a_truth_table():
+    """``non_monotone`` and ``transfer_beats_white_box`` on every case, written out by hand:
+    only a correctly classified example that the evaluation at eps left standing is flagged,
+    when the bisection (or the transfer) fooled it, and for the transfer only when no
+    white-box attack fooled it."""
+    # rows: correct & bisected & not fooled; correct & bisected & fooled; wrong & bisected;
+    #       correct & nothing within eps; correct, fooled by the black-box attack only.
+    pe = {"clean_prediction": np.array([1, 1, 0, 1, 1]), "label": np.array([1, 1, 1, 1, 1]),
+          "success": np.array([False, True, False, False, True]),
+          "attack_success": np.array([[0, 0], [1, 0], [0, 0], [0, 0], [0, 1]], bool)}
+    bisected = np.array([0.1, 0.2, 0.05, np.inf, 0.3])
+    np.testing.assert_array_equal(checks.non_monotone(pe, bisected),
+                                  [True, False, False, False, False])
+    white, black = attacks_lib.fgsm(), suites.attack("square", "linf", queries=10)
+    transferred = np.array([True, True, True, False, True])
+    np.testing.assert_array_equal(
+        checks.transfer_beats_white_box(pe, transferred, (white, black)),
+        [True, False, False, False, True])
+    np.testing.assert_array_equal(  # the same rows, the second attack white-box too
+        checks.transfer_beats_white_box(pe, transferred, (white, attacks_lib.fgsm())),
+        [True, False, False, False, False])

@@ -1,4 +1,8 @@
-"""The ``jaxbundle`` command: flags, errors, and an end-to-end run on a small subset."""
+"""The ``jaxbundle`` command: flags, errors, and end-to-end runs on a small subset.
+
+The command runs in this process through :func:`jaxbundle.cli.main`; real processes only where
+the process is the point (the installed console script, two ``jax.distributed`` processes).
+The tiny demo models train once per test run, in the run's cache (``$JAXBUNDLE_CACHE``)."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import sys
 import numpy as np
 import pytest
 
+from jaxbundle import models
 from jaxbundle.cli import main
 from toys import CLI, assert_all_succeeded, coordinator_port, python_command, run_processes
 
@@ -36,6 +41,7 @@ def test_attacks_lists_every_attack(capsys):
         (["evaluate", "--bundle", "strong"], "invalid choice"),
         (["evaluate", "--focus", "square-aa"], "ATTACK=FRACTION"),
         (["evaluate", "--focus", "square-aa=1.5"], "ATTACK=FRACTION"),
+        (["evaluate", "--queries", "0"], "positive integer"),
     ],
 )
 def test_bad_flags_exit_2_with_a_message(argv, message, capsys):
@@ -57,6 +63,8 @@ def test_bad_flags_exit_2_with_a_message(argv, message, capsys):
         (["evaluate", "--focus", "rays=0.5"], "not in the bundle"),
         (["evaluate", "--focus", "square-aa=0.5", "--schedule", "full"], "needs the cascade"),
         (["evaluate", "--bundle", "broad", "--focus", "fmn=0.5"], "needs the cascade"),
+        (["evaluate", "--queries", "1"], "square-aa needs queries to be an integer >= 2"),
+        (["evaluate", "--bundle", "fast", "--queries", "100"], "no attack of this run has one"),
     ],
 )
 def test_bad_values_exit_2_with_a_message(argv, message, capsys, tmp_path):
@@ -72,24 +80,36 @@ def test_compare_of_a_missing_report_exits_2_naming_it(capsys):
     assert "error:" in err and "/nonexistent/report" in err and "Traceback" not in err
 
 
-@pytest.mark.slow
-def test_evaluate_end_to_end(tmp_path):
-    """The console entry point trains tiny models, attacks 24 images and writes the report."""
-    out = tmp_path / "report"
-    cmd = [sys.executable, "-m", "jaxbundle", "evaluate", *TINY, "--bundle", "broad",
-           "--out", str(out),
-           "--cache-dir", str(tmp_path / "cache"), "--seed", "5"]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+def test_the_console_script_is_installed():
+    """``jaxbundle`` on the PATH of the environment the package was installed in."""
+    script = os.path.join(os.path.dirname(sys.executable), "jaxbundle")
+    run = subprocess.run([script, "attacks"], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "bundled robust" in run.stdout and "MAT" in run.stdout
-    judged = "eps 0.3 (linf): 24 of 24 examples judged on the 8-bit grid, which allows 76/255"
-    assert judged in run.stdout
+    assert "apgd" in run.stdout and "bundles" in run.stdout
 
-    report = json.loads((out / "report.json").read_text())
+
+def _report(out):
+    return json.loads((out / "report.json").read_text())
+
+
+@pytest.mark.slow
+def test_evaluate_end_to_end(tmp_path, capsys):
+    """The command trains tiny models (once per test run), attacks 24 images with the broad
+    bundle and writes the report; compare reads it; the same seed repeats it."""
+    out = tmp_path / "report"
+    argv = ["evaluate", *TINY, "--bundle", "broad", "--queries", "200", "--out", str(out),
+            "--seed", "5"]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "bundled robust" in printed and "MAT" in printed
+    judged = "eps 0.3 (linf): 24 of 24 examples judged on the 8-bit grid, which allows 76/255"
+    assert judged in printed
+
+    report = _report(out)
     assert report["schema_version"] == 1 and report["config"]["judging"] == "auto"
     default = ["fgsm", "pgd-ce", "pgd-margin", "fmn", "square", "rays"]
     assert report["config"]["attacks"] == default and report["config"]["bundle"] == "broad"
-    assert report["config"]["schedule"] == "full"
+    assert report["config"]["schedule"] == "full" and report["config"]["queries"] == 200
     assert set(report["models"]) == {"standard", "adversarial"}
     for name, m in report["models"].items():
         for key in ("clean_accuracy", "robust_accuracy", "relative_robustness", "mat", "wat",
@@ -118,29 +138,34 @@ def test_evaluate_end_to_end(tmp_path):
             fooled = pe["success"]
             assert np.all(pe["adversarial_prediction"][fooled] != pe["label"][fooled])
             assert np.all(pe["distortion"][fooled] <= 0.3 + 1e-6)
+            # --queries reached both black-box attacks: 200 each on every example they ran on
+            black = pe["queries"][clean_ok]
+            assert black.size and set(black) == {400}
 
     md = (out / "report.md").read_text()
     assert "## adversarial" in md and "D1/2" in md and ".png)" in md
     assert f"Judged: {judged}" in md
 
-    compare = subprocess.run([sys.executable, "-m", "jaxbundle", "compare", str(out)],
-                             capture_output=True, text=True, timeout=300)
-    assert compare.returncode == 0 and "adversarial" in compare.stdout and "D1/2" in compare.stdout
+    assert main(["compare", str(out)]) == 0
+    compared = capsys.readouterr().out
+    assert "adversarial" in compared and "D1/2" in compared
 
     # A second run reuses the cached weights and, with the same seed, repeats the figures.
-    again = subprocess.run(cmd[:-2] + ["--seed", "5"], capture_output=True, text=True, timeout=900)
-    assert again.returncode == 0, again.stderr[-3000:]
-    report2 = json.loads((out / "report.json").read_text())
+    weights = [models.cache_path(models.MODELS[name]._replace(n_train=300, epochs=1))
+               for name in ("standard", "adversarial")]
+    written = [path.stat().st_mtime_ns for path in weights]
+    assert main(argv) == 0
+    report2 = _report(out)
     for name in report["models"]:
         for key in ("clean_accuracy", "robust_accuracy", "mat"):
             assert report2["models"][name][key] == report["models"][name][key]
-    assert len(os.listdir(tmp_path / "cache" / "models")) >= 2
+    assert [path.stat().st_mtime_ns for path in weights] == written
 
     # A named bundle: APGD-CE and APGD-T (9 targets on MNIST's 10 classes).
-    fast = cmd[:-2] + ["--bundle", "fast", "--models", "adversarial", "--restarts", "1"]
-    run = subprocess.run(fast, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
-    report3 = json.loads((out / "report.json").read_text())
+    fast = ["evaluate", *TINY, "--bundle", "fast", "--models", "adversarial", "--restarts", "1",
+            "--no-shifts", "--out", str(out)]
+    assert main(fast) == 0
+    report3 = _report(out)
     assert report3["config"]["bundle"] == "fast"
     assert set(report3["models"]["adversarial"]["mat"]) == {"apgd-ce", "apgd-t"}
 
@@ -150,16 +175,15 @@ def test_two_processes_give_the_one_process_report(tmp_path):
     """Two processes (jax.distributed, 2 CPU devices each) give the report of one process; only
     process 0 prints and writes it. Skipped (before any work) without a loopback network."""
     port = coordinator_port()
-    flags = [*TINY, "--bundle", "broad", "--cache-dir", str(tmp_path / "cache"), "--seed", "5",
+    flags = [*TINY, "--attacks", "fgsm,pgd-ce,square", "--queries", "100", "--seed", "5",
              "--models", "adversarial", "--no-shifts"]
-    one = subprocess.run([sys.executable, "-m", "jaxbundle", "evaluate", *flags, "--out",
-                          str(tmp_path / "one")], capture_output=True, text=True, timeout=900)
-    assert one.returncode == 0, one.stderr[-3000:]
+    assert main(["evaluate", *flags, "--out", str(tmp_path / "one")]) == 0
     report = json.loads((tmp_path / "one" / "report.json").read_text())
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
+               + " --xla_force_host_platform_device_count=2")
     out2 = tmp_path / "two"
     flags += ["--out", str(out2), "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2"]
-    # Each process takes ~30 s; a hung one dumps its stacks after 240 s and exits.
+    # Each process takes ~20 s; a hung one dumps its stacks after 240 s and exits.
     two = [python_command(CLI, "evaluate", *flags, "--process-id", str(i), deadline=240)
            for i in range(2)]
     results = run_processes(two, env, timeout=300)
@@ -172,15 +196,14 @@ def test_two_processes_give_the_one_process_report(tmp_path):
         assert report2["models"]["adversarial"][key] == report["models"]["adversarial"][key], key
 
 
-
 @pytest.mark.slow
 def test_default_bundle_runs_as_a_focused_cascade(tmp_path, capsys):
     """The main job's default bundle: APGD-CE, then APGD-CE 100 and APGD-T on the more
     promising half of the survivors, Square only on the most promising 8 %, reported stage
     by stage."""
     out = tmp_path / "report"
-    argv = ["evaluate", *TINY, "--models", "adversarial", "--no-shifts", "--no-compile-cache",
-            "--out", str(out), "--cache-dir", str(tmp_path / "cache")]
+    argv = ["evaluate", *TINY, "--models", "adversarial", "--no-shifts", "--queries", "300",
+            "--out", str(out)]
     assert main(argv) == 0
     report = json.loads((out / "report.json").read_text())
     focus = {"apgd-ce-long": 0.5, "apgd-t": 0.5, "square-aa": 0.08}
@@ -191,20 +214,26 @@ def test_default_bundle_runs_as_a_focused_cascade(tmp_path, capsys):
     assert [s["attack"] for s in stages] == ["apgd-ce", "apgd-ce-long", "apgd-t", "square-aa"]
     assert m["schedule"]["focus"] == focus
     assert report["config"]["segments"] == m["schedule"]["segments"] == 6
-    # A focused stage ran on fraction * survivors of each batch of 16 (24 examples: 16 + 8),
-    # rounded to the nearest bucket size in ratio (16, 12, 8, 6, 4, 3, 2, 1), at most all.
+    # A focused stage ran, in each batch of 16 (24 examples: 16 + 8), on survivors of the
+    # stages before only, as many as a bucket size (16 x 1, 3/4, 1/2, 3/8, ...: 16, 12, 8, 6,
+    # 4, 3, 2, 1) within a factor sqrt(2) of fraction * survivors (the sizes are at most a
+    # factor 2 apart), or all of them; the stage's count is what ran.
     with np.load(out / m["per_example"]) as pe:
         ok = pe["clean_prediction"] == pe["label"]
+        ran = pe["attack_step"] != -2
         for k, fraction in ((1, 0.5), (2, 0.5), (3, 0.08)):
             before = ok & ~pe["attack_success"][:, :k].any(1)
-            left = [int(before[b:b + 16].sum()) for b in (0, 16)]
-            expected = sum(
-                min(n, min((1, 2, 3, 4, 6, 8, 12, 16),
-                           key=lambda s: abs(np.log(s / max(fraction * n, 1)))))
-                for n in left if n
-            )
-            assert stages[k]["examples"] == expected, k
+            assert not (ran[:, k] & ~before).any(), k
+            assert stages[k]["examples"] == ran[:, k].sum(), k
+            for rows in (slice(0, 16), slice(16, 24)):
+                n, r = int(before[rows].sum()), int(ran[rows, k].sum())
+                if n == 0:
+                    assert r == 0
+                    continue
+                assert r == n or r in (1, 2, 3, 4, 6, 8, 12, 16), (k, n, r)
+                assert r == n or 2 ** -0.5 <= r / max(fraction * n, 1) <= 2 ** 0.5, (k, n, r)
         assert (pe["queries"] > 0).sum() == stages[3]["examples"]
+        assert set(pe["queries"][ran[:, 3]]) <= set(range(1, 301))
     assert m["robust_accuracy"] == stages[-1]["robust_accuracy"]
     assert "square-aa" in capsys.readouterr().out
 
@@ -219,14 +248,14 @@ def test_randomized_defence_with_eot_end_to_end(tmp_path, capsys):
         "from jaxbundle import models\n"
         "def model():\n"
         "    apply_fn, params = models.load_or_train(\n"
-        "        models.ADVERSARIAL._replace(n_train=300, epochs=1), cache_dir=%r)\n"
+        "        models.ADVERSARIAL._replace(n_train=300, epochs=1))\n"
         "    noisy = lambda p, x, key: apply_fn(p, x + 0.05 * jax.random.normal(key, x.shape))\n"
-        "    return jaxbundle.stochastic(noisy), params\n" % str(tmp_path / "cache"))
+        "    return jaxbundle.stochastic(noisy), params\n")
     out = tmp_path / "report"
     argv = ["evaluate", *TINY, "--models", "randomized,adversarial", "--model",
             f"noisy={model_file}:model", "--attacks", "fgsm,pgd-ce", "--eot", "4",
             "--judge-calls", "8", "--success-threshold", "0.25", "--no-shifts",
-            "--no-compile-cache", "--out", str(out), "--cache-dir", str(tmp_path / "cache")]
+            "--out", str(out)]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "judged over 8 fresh calls" in printed
@@ -246,6 +275,5 @@ def test_randomized_defence_with_eot_end_to_end(tmp_path, capsys):
     assert "judged over 8 fresh calls" in (out / "report.md").read_text()
     # Best-effort mode does not support a stochastic model yet: a clear error.
     assert main(["evaluate", *TINY, "--models", "randomized", "--attacks", "fgsm",
-                 "--best-effort", "--no-shifts", "--out", str(out), "--cache-dir",
-                 str(tmp_path / "cache")]) == 2
+                 "--best-effort", "--no-shifts", "--out", str(out)]) == 2
     assert "best-effort mode and surrogates do not support" in capsys.readouterr().err

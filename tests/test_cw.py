@@ -266,7 +266,9 @@ def test_starts_at_the_clean_image_and_stays_in_the_box():
         assert float(points.min()) >= 0.0 and float(points.max()) <= 1.0
     moved = np.asarray(norms.norm(states.x[3] - x, "l2"))
     assert np.all(moved > 0.5), "the steps were large enough to press against the box"
-    assert float(states.x.min()) == 0.0 and float(states.x.max()) == 1.0
+    # Pressed against the box: (tanh(w) + 1) / 2 within a few float32 ulps of 0 and of 1
+    # (exactly 0 and 1 where the compiler's tanh saturates, as XLA's default one does).
+    assert float(states.x.min()) <= 2e-7 and float(states.x.max()) >= 1 - 2e-7
 
 
 def test_tanh_round_trip():

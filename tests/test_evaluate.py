@@ -45,6 +45,7 @@ def _run(problem, **kw):
     return evaluate(linear_apply, params, x, y, ATTACKS, eps=eps, mesh=None, **kw)
 
 
+@pytest.mark.slow
 def test_batch_size_does_not_change_any_per_example_result(problem):
     a = _run(problem, batch_size=37)
     b = _run(problem, batch_size=8)  # 5 batches, the last padded with 3 real rows
@@ -157,11 +158,13 @@ def _assert_same_as_single_device(problem, tmp_path, tags) -> None:
                 np.testing.assert_allclose(sharded[k], single.per_example[k], atol=1e-6, err_msg=k)
 
 
+@pytest.mark.slow
 def test_eight_devices_give_the_same_answer(problem, tmp_path):
     """Sharding the batch over a mesh of 8 (fake CPU) devices changes nothing."""
     setup = """
         import os
-        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + " --xla_force_host_platform_device_count=8")
         import jax
         assert jax.local_device_count() == 8
         """
@@ -209,6 +212,7 @@ def test_merge_is_associative_commutative_with_identity(a, b, c):
     assert same(a.read(a.arrays()), a)  # the checkpoint round trip
 
 
+@pytest.mark.slow
 def test_merging_batches_equals_one_pass(problem):
     from jaxbundle.bundler import bundle
 
@@ -301,11 +305,13 @@ def test_a_new_metric_is_one_class(problem, monkeypatch):
     assert ev.metrics["fooled_by_any"] == int(ev.per_example["attack_success"].any(axis=1).sum())
 
 
+@pytest.mark.slow
 def test_two_processes_give_the_same_answer(problem, tmp_path):
     """jax.distributed with 2 processes x 2 CPU devices: one global mesh of 4, same answer."""
     setup = f"""
         import os, sys
-        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + " --xla_force_host_platform_device_count=2")
         import jax
         jax.distributed.initialize("127.0.0.1:{coordinator_port()}", num_processes=2,
                                    process_id=int(sys.argv[1]))

@@ -190,7 +190,9 @@ def test_success_never_lost(norm):
     best = _best(params, xf, yf, norm, attack)
     found = wrong.any(axis=0)
     assert np.all(np.asarray(best.misclassified)[found])
-    assert np.all(np.asarray(best.distortion)[found] <= smallest[found] * (1 + 1e-6))
+    # Two float32 norms of the same delta (this test's and the bundle's program), each within
+    # (20 pixels + 2) ulps of the exact one: they agree within 2 * 22 ulps.
+    assert np.all(np.asarray(best.distortion)[found] <= smallest[found] * (1 + 44 * 2**-24))
 
 
 # ---------------------------------------------------------------------------------------------

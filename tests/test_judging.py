@@ -30,8 +30,8 @@ GAP = 16  # at most this many examples get the finer search
 
 @pytest.fixture(scope="module")
 def trained():
-    """The demo models (trained once per CI run, then cached in $JAXBUNDLE_CACHE)."""
-    return {name: models.load_or_train(cfg) for name, cfg in models.MODELS.items()}
+    """The two demo models these tests judge (trained once per run, in $JAXBUNDLE_CACHE)."""
+    return {name: models.load_or_train(models.MODELS[name]) for name in ("standard", "adversarial")}
 
 
 @pytest.fixture(scope="module")
@@ -339,7 +339,9 @@ class ColourCNN(nn.Module):
         return nn.Dense(10)(x.reshape(x.shape[0], -1))
 
 
-@pytest.mark.parametrize("norm, eps", [("linf", 1 / 255), ("linf", 0.006), ("l2", 0.1)])
+@pytest.mark.parametrize("norm, eps", [pytest.param("linf", 1 / 255, marks=pytest.mark.slow),
+                                       ("linf", 0.006),
+                                       pytest.param("l2", 0.1, marks=pytest.mark.slow)])
 def test_colour_images_judged_like_float32_at_the_grid_radius(norm, eps):
     """CIFAR-sized colour images (8-bit, and the same moved off the grid) and an nn.Conv model:
     on the grid every verdict is float32's at the grid's radius; off it, float32's at eps."""

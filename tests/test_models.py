@@ -329,3 +329,34 @@ def test_conv_matches_flax_conv_values_and_gradients(size, kernel, stride):
 
     for a, b in zip(jax.tree.leaves(grads(ours)), jax.tree.leaves(grads(theirs))):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_processes_sharing_a_cache_train_a_missing_model_once(tmp_path):
+    """Two processes ask a shared cache for the same missing model at once (test workers, the
+    hosts of one job): the first trains it under the cache's lock, the second waits and reads
+    it. Each process's training is made to take 3 s, so without the lock both would train."""
+    from toys import assert_all_succeeded, python_command, run_processes
+
+    code = (
+        "import sys, time\n"
+        "from jaxbundle import models\n"
+        "from jaxbundle.models import cache\n"
+        "real = cache.train\n"
+        "def slow(*args, **kwargs):\n"
+        "    print('TRAINED', flush=True)\n"
+        "    time.sleep(3)\n"
+        "    return real(*args, **kwargs)\n"
+        "cache.train = slow\n"
+        "config = models.TrainConfig(arch='mlp', epochs=1, batch_size=64, n_train=64)\n"
+        "apply_fn, params = models.load_or_train(config, cache_dir=sys.argv[1])\n"
+        "x = models.cache.jnp.zeros((1, 28, 28, 1))\n"
+        "print('LOGIT', float(apply_fn(params, x)[0, 0]))\n"
+    )
+    commands = [python_command(code, str(tmp_path), deadline=120) for _ in range(2)]
+    results = run_processes(commands, dict(os.environ), timeout=150)
+    assert_all_succeeded(results)
+    logs = [log for _, log in results]
+    assert sum(log.count("TRAINED") for log in logs) == 1, logs
+    logits = {line for log in logs for line in log.splitlines() if line.startswith("LOGIT")}
+    assert len(logits) == 1, logits  # both hold the same weights
+    assert len(list((tmp_path / "models").glob("*.msgpack"))) == 1

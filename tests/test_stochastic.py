@@ -248,9 +248,12 @@ def _noisy_problem(n=24):
     return params, np.asarray(images(x)), y, eps
 
 
-_KINDS = [attacks_lib.pgd(steps=6, restarts=2), suites.attack("apgd-ce", "linf", steps=6),
-          attacks_lib.square(queries=30), suites.attack("rays", "linf", steps=20),
-          attacks_lib.fab(targets=4, steps=4), attacks_lib.deepfool("linf", steps=4, candidates=4)]
+# One kind in the fast tier (``-m "not slow"``), every kind in the whole suite.
+_KINDS = [suites.attack("apgd-ce", "linf", steps=6)] + [
+    pytest.param(a, marks=pytest.mark.slow) for a in (
+        attacks_lib.pgd(steps=6, restarts=2), attacks_lib.square(queries=30),
+        suites.attack("rays", "linf", steps=20), attacks_lib.fab(targets=4, steps=4),
+        attacks_lib.deepfool("linf", steps=4, candidates=4))]
 
 
 @pytest.mark.parametrize("attack", _KINDS, ids=lambda a: a.name)
@@ -279,7 +282,7 @@ def test_every_attack_kind_runs_on_a_stochastic_model_independently_of_the_batch
     assert np.asarray(whole.queries)[0] == atts[0].queries
 
 
-@pytest.mark.parametrize("segments", [1, 3])
+@pytest.mark.parametrize("segments", [pytest.param(1, marks=pytest.mark.slow), 3])
 def test_cascade_on_a_stochastic_model_fools_what_the_full_bundle_fools(segments):
     params, x, y, eps = _noisy_problem(n=32)
     model = jaxbundle.stochastic(noisy_linear, calls=8)

@@ -125,7 +125,8 @@ def load_or_train(
 
     The weights live in ``cache_path(config, cache_dir, dataset)`` (flax msgpack) next to a
     JSON sidecar (same name, ``.json``) holding the config, the code version, the training
-    time and the clean accuracy on the training images. Both are written atomically. A
+    time and the clean accuracy on the training images. Both are written atomically, under a
+    lock beside them (``.lock``), so processes sharing the cache train a missing model once. A
     cache file that cannot be read is reported with a warning and replaced by retraining.
 
     Args:
@@ -139,30 +140,47 @@ def load_or_train(
     """
     module = model_for(config)
     path = cache_path(config, cache_dir, dataset)
-    if path.exists():
-        if dataset is None:
-            example_shape: tuple[int, ...] = (28, 28, 1)
-        else:
-            example_shape = tuple(np.shape(dataset.x)[1:])
-        try:
-            return module.apply, _load(path, _template(config, example_shape))
-        except (OSError, ValueError) as e:
-            warnings.warn(f"ignoring corrupt model cache ({e}); retraining", RuntimeWarning)
-
-    t0 = time.perf_counter()
-    params = train(config, dataset, progress=progress)
-    seconds = time.perf_counter() - t0
-    x, y = _training_arrays(config, dataset)
-    meta = {
-        "name": model_name(config),
-        "config": config._asdict(),
-        "code_version": CODE_VERSION,
-        "hash": config_hash(config, dataset),
-        "data": _dataset_fingerprint(config, dataset),
-        "train_seconds": round(seconds, 3),
-        "train_accuracy": accuracy(module.apply, params, x, y),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-    _atomic_write(path, flax.serialization.to_bytes(params))
-    _atomic_write(path.with_suffix(".json"), (json.dumps(meta, indent=2) + "\n").encode())
+    if dataset is None:
+        example_shape: tuple[int, ...] = (28, 28, 1)
+    else:
+        example_shape = tuple(np.shape(dataset.x)[1:])
+    cached = _cached(path, config, example_shape)
+    if cached is not None:
+        return module.apply, cached
+    # Several processes sharing a cache (test workers, the hosts of one job) train a missing
+    # model once: the first takes the lock and trains, the others wait and then read it.
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with files.exclusive(path.with_suffix(".lock")):
+        cached = _cached(path, config, example_shape)
+        if cached is not None:
+            return module.apply, cached
+        t0 = time.perf_counter()
+        params = train(config, dataset, progress=progress)
+        seconds = time.perf_counter() - t0
+        x, y = _training_arrays(config, dataset)
+        meta = {
+            "name": model_name(config),
+            "config": config._asdict(),
+            "code_version": CODE_VERSION,
+            "hash": config_hash(config, dataset),
+            "data": _dataset_fingerprint(config, dataset),
+            "train_seconds": round(seconds, 3),
+            "train_accuracy": accuracy(module.apply, params, x, y),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        _atomic_write(path, flax.serialization.to_bytes(params))
+        _atomic_write(path.with_suffix(".json"), (json.dumps(meta, indent=2) + "\n").encode())
     return module.apply, params
+
+
+def _cached(path: pathlib.Path, config: TrainConfig, example_shape: tuple[int, ...]
+            ) -> Params | None:
+    """The cached params at ``path``, or ``None`` when there are none (a corrupt file is
+    reported with a warning and treated as missing)."""
+    if not path.exists():
+        return None
+    try:
+        return _load(path, _template(config, example_shape))
+    except (OSError, ValueError) as e:
+        warnings.warn(f"ignoring corrupt model cache ({e}); retraining", RuntimeWarning)
+        return None
