@@ -102,13 +102,16 @@ def test_judged_robust_accuracy_matches_float32(trained, digits, model, norm, ep
         assert f"allows {round(radius * 255)}/255" in on.metrics["judging"]["statement"]
     # Judged on the grid at eps, the successes are those of float32 judging at that radius.
     at_radius = flt if radius == eps else run(sets["on-grid"], "float", radius)
+    # (Measured at every setting: no example differs, so the figures are equal; one of the
+    # 160 may sit on the boundary within float32 rounding.)
     differ = on.per_example["success"] != at_radius.per_example["success"]
-    assert differ.sum() <= 0.01 * N, differ.sum()
-    assert abs(judged - at_radius.metrics["robust_accuracy"]) <= 1.0
+    assert differ.sum() <= 1, differ.sum()
+    spread = 100 * differ.sum() / N  # the most the figures can differ by
+    assert abs(judged - at_radius.metrics["robust_accuracy"]) <= spread
     if radius >= eps * (1 - 1e-6):  # eps on a level: the same figure
-        assert abs(judged - floated) <= 1.0, (judged, floated)
+        assert abs(judged - floated) <= spread, (judged, floated)
     else:  # between levels the grid holds fewer (76 of 76.5 for 0.3, 7 of 7.9 for 0.031)
-        assert judged >= floated - 1.0, (judged, floated)
+        assert judged >= floated - spread, (judged, floated)
     # Tell a grid effect from a judging defect: a finer search (APGD-CE 100 x 4) on the
     # examples only float32 judging at eps fooled. Where it fools one in float32 at the grid's
     # radius, it must fool it on the grid too; what survives on the grid is a grid effect.
@@ -122,7 +125,7 @@ def test_judged_robust_accuracy_matches_float32(trained, digits, model, norm, ep
                           judging="float")
         defect = np.asarray(in_float.attack_success[0]) & ~np.asarray(on_grid.attack_success[0])
         defect = defect[: gap.size]
-        assert defect.sum() <= max(1, 0.2 * gap.size), (defect.sum(), gap.size)
+        assert not defect.any(), (defect.sum(), gap.size)  # measured: 0 of 1 at 0.3 and 0.031
     # Off the grid: judged in float32, said so, and no success lost to rounding.
     off = run(sets["off-grid"], "auto")
     assert off.metrics["judging"]["grid_examples"] == 0
@@ -179,15 +182,19 @@ def test_a_flax_conv_model_on_resized_images(trained, norm, eps):
     x = np.clip(np.asarray(jax.image.resize(up, (64, 28, 28, 1), "bilinear")), 0, 1)
     rounded = (np.round(x * 255) / np.float32(255)).astype(np.float32)
     bundle_ = suites.bundle_attacks("fast", norm)
-    ra = {}
+    fooled = {}
     for name, images_ in (("resized", x), ("rounded", rounded)):
         ev = evaluate(apply_fn, params, images_, test.y, bundle_, eps=eps, norm=norm,
                       goals=("misclassify",), batch_size=64)
         expected_grid = 0 if name == "resized" else 64
         assert ev.metrics["judging"]["grid_examples"] == expected_grid
-        assert recheck(apply_fn, params, images_, ev, eps, norm).sum() > 0
-        ra[name] = ev.metrics["robust_accuracy"]
-    assert abs(ra["resized"] - ra["rounded"]) <= 10.0  # rounding the data moves it a little
+        fooled[name] = recheck(apply_fn, params, images_, ev, eps, norm)
+        assert fooled[name].sum() > 0
+    # Rounding the data moves every pixel by at most half a level (an L2 distance of at most
+    # 0.5 / 255 * 28 = 0.055, 3.7 % of eps 1.5; 1 % of eps 0.2 in Linf): only examples that
+    # close to the boundary change verdict (measured: none in Linf, 2 of 64 in L2).
+    changed = int(np.sum(fooled["resized"] != fooled["rounded"]))
+    assert changed <= 3, changed
 
 
 def grid_optimum(params, x, y, eps):
