@@ -18,8 +18,12 @@ from jaxbundle import models
 from jaxbundle.cli import main
 from toys import CLI, assert_all_succeeded, coordinator_port, python_command, run_processes
 
-TINY = ["--n", "24", "--train-examples", "2000", "--train-epochs", "2", "--steps", "3",
-        "--restarts", "2", "--batch-size", "16", "--no-progress"]
+# The demo models trained small (2,000 images, 2 epochs: enough that the adversarial one
+# keeps survivors for the default bundle's focused stages), once per test run.
+TRAIN_EXAMPLES, TRAIN_EPOCHS = 2000, 2
+TINY = ["--n", "24", "--train-examples", str(TRAIN_EXAMPLES), "--train-epochs",
+        str(TRAIN_EPOCHS), "--steps", "3", "--restarts", "2", "--batch-size", "16",
+        "--no-progress"]
 
 
 def test_attacks_lists_every_attack(capsys):
@@ -151,7 +155,8 @@ def test_evaluate_end_to_end(tmp_path, capsys):
     assert "adversarial" in compared and "D1/2" in compared
 
     # A second run reuses the cached weights and, with the same seed, repeats the figures.
-    weights = [models.cache_path(models.MODELS[name]._replace(n_train=300, epochs=1))
+    weights = [models.cache_path(models.MODELS[name]._replace(n_train=TRAIN_EXAMPLES,
+                                                              epochs=TRAIN_EPOCHS))
                for name in ("standard", "adversarial")]
     written = [path.stat().st_mtime_ns for path in weights]
     assert main(argv) == 0
@@ -252,7 +257,7 @@ def test_randomized_defence_with_eot_end_to_end(tmp_path, capsys):
         "from jaxbundle import models\n"
         "def model():\n"
         "    apply_fn, params = models.load_or_train(\n"
-        "        models.ADVERSARIAL._replace(n_train=300, epochs=1))\n"
+        f"        models.ADVERSARIAL._replace(n_train={TRAIN_EXAMPLES}, epochs={TRAIN_EPOCHS}))\n"
         "    noisy = lambda p, x, key: apply_fn(p, x + 0.05 * jax.random.normal(key, x.shape))\n"
         "    return jaxbundle.stochastic(noisy), params\n")
     out = tmp_path / "report"
