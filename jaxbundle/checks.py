@@ -205,7 +205,7 @@ def zero_gradients(apply_fn: Callable[[Any, jax.Array], jax.Array], params: Any,
 def example_flags(per_example: dict[str, np.ndarray], attacks: Sequence[Attack]) -> np.ndarray:
     """``[n, len(FLAG_NAMES)]`` bool: each per-example check's flag (correctly classified
     examples only)."""
-    correct = per_example["clean_prediction"] == per_example["label"]
+    correct = _correct(per_example)
     step = per_example["attack_step"]  # [n, A]
     success = per_example["attack_success"].astype(bool)
     distortion = per_example["attack_distortion"]

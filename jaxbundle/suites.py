@@ -264,8 +264,6 @@ def bundle_attacks(
         kwargs = dict(overrides)
         kwargs.update({k: v for k, v in (("steps", steps), ("restarts", restarts),
                                          ("queries", queries)) if v is not None})
-        if attack_name in QUERY_ATTACKS:
-            kwargs = {"queries": kwargs.get("queries")}
         built.append(attack(attack_name, norm, step_size=step_size, **kwargs))
     if not built:
         raise ValueError(f"bundle {name!r} has no attack for norm {norm!r}")

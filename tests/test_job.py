@@ -143,11 +143,15 @@ def _main(user, capsys, monkeypatch, *flags, script=None):
     return code, out, err
 
 
+def _command(user, *flags):
+    """``python -m jaxbundle evaluate FLAGS``, for a new process."""
+    return [sys.executable, "-m", "jaxbundle", "evaluate", *_flags(user, *flags)]
+
+
 def _process(user, *flags, timeout=600):
-    """``python -m jaxbundle evaluate FLAGS`` in a new process, in the user's directory."""
-    cmd = [sys.executable, "-m", "jaxbundle", "evaluate", *_flags(user, *flags)]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout,
-                          cwd=user["root"])
+    """:func:`_command` run to the end in a new process, in the user's directory."""
+    return subprocess.run(_command(user, *flags), capture_output=True, text=True,
+                          timeout=timeout, cwd=user["root"])
 
 
 def _report(out):
@@ -285,8 +289,7 @@ def test_killed_run_resumes_to_the_uninterrupted_answer(user, tmp_path, capsys, 
 
     out, ckpt = tmp_path / "resumed", tmp_path / "ckpt"
     again = [*flags, "--out", str(out), "--checkpoint-dir", str(ckpt)]
-    cmd = [sys.executable, "-m", "jaxbundle", "evaluate", *_flags(user, *again)]
-    proc = subprocess.Popen(cmd, cwd=user["root"], stdout=subprocess.DEVNULL,
+    proc = subprocess.Popen(_command(user, *again), cwd=user["root"], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
     first = ckpt / "cnn" / "checkpoint.npz"
     deadline = time.monotonic() + 300

@@ -339,6 +339,7 @@ def test_processes_sharing_a_cache_train_a_missing_model_once(tmp_path):
 
     code = (
         "import sys, time\n"
+        "import jax.numpy as jnp\n"
         "from jaxbundle import models\n"
         "from jaxbundle.models import cache\n"
         "real = cache.train\n"
@@ -349,7 +350,7 @@ def test_processes_sharing_a_cache_train_a_missing_model_once(tmp_path):
         "cache.train = slow\n"
         "config = models.TrainConfig(arch='mlp', epochs=1, batch_size=64, n_train=64)\n"
         "apply_fn, params = models.load_or_train(config, cache_dir=sys.argv[1])\n"
-        "x = models.cache.jnp.zeros((1, 28, 28, 1))\n"
+        "x = jnp.zeros((1, 28, 28, 1))\n"
         "print('LOGIT', float(apply_fn(params, x)[0, 0]))\n"
     )
     commands = [python_command(code, str(tmp_path), deadline=120) for _ in range(2)]
