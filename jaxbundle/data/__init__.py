@@ -3,10 +3,12 @@
 Images are ``[N, H, W, C]`` arrays, stored as uint8 (0..255) or floats in [0, 1] and evaluated
 as float32 in [0, 1]; labels are integers ``[N]``.
 
-* :mod:`~jaxbundle.data.source`: the :class:`Source` protocol every source follows
-  (``read(start, stop)``), the in-memory :class:`ArraySource`, :func:`local_batch` (a
-  process's rows of a global batch) and :func:`open_source` (``mnist-sample``, ``npz:PATH``,
-  ``tfds:NAME[:SPLIT]``);
+* :mod:`~jaxbundle.data.base`: the :class:`Source` protocol every source follows
+  (``read(start, stop)``), the in-memory :class:`ArraySource` and :func:`local_batch` (a
+  process's rows of a global batch);
+* :mod:`~jaxbundle.data.source`: :func:`open_source` (``mnist-sample``, ``npz:PATH``,
+  ``tfds:NAME[:SPLIT]``), on top of the sources (it re-exports :mod:`~jaxbundle.data.base`);
+* :mod:`~jaxbundle.data.dataset`: :class:`Dataset`, an in-memory dataset;
 * :mod:`~jaxbundle.data.sample`: the small real MNIST sample embedded in the package (first
   10,000 training and first 2,000 test images, CC BY-SA 3.0, see ``LICENSE-MNIST.txt``);
 * :mod:`~jaxbundle.data.npz`, :mod:`~jaxbundle.data.tfds`: user data (tensorflow-datasets
@@ -22,19 +24,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from jaxbundle.data.base import ArraySource, Source, head, local_batch
 from jaxbundle.data.batching import Batch, batches, num_batches
+from jaxbundle.data.dataset import Dataset
 from jaxbundle.data.images import (check_labels, check_n, check_pixels, to_unit_float, translate,
                                    validate_images)
 from jaxbundle.data.sample import load_mnist_sample, sample_source
-from jaxbundle.data.source import (
-    SOURCE_FORMS,
-    ArraySource,
-    Dataset,
-    Source,
-    head,
-    local_batch,
-    open_source,
-)
+from jaxbundle.data.source import SOURCE_FORMS, open_source
 
 __all__ = [
     "ArraySource",

@@ -3,12 +3,11 @@ jitted code never sees a new shape."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator, NamedTuple
+from typing import Iterator, NamedTuple
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from jaxbundle.data.source import Dataset
+from jaxbundle.data.dataset import Dataset
 
 __all__ = ["Batch", "batches", "num_batches"]
 
@@ -53,7 +52,7 @@ def num_batches(n: int, batch_size: int) -> int:
 
 
 def batches(
-    dataset_or_x: "Dataset | np.ndarray",
+    dataset_or_x: Dataset | np.ndarray,
     y: np.ndarray | None = None,
     batch_size: int = 256,
     start: int = 0,
@@ -79,8 +78,6 @@ def batches(
     Raises:
         ValueError: bad ``y``, ``batch_size`` or ``start``.
     """
-    from jaxbundle.data.source import Dataset
-
     if isinstance(dataset_or_x, Dataset):
         if y is not None:
             raise ValueError("pass y only with an image array, not with a Dataset")

@@ -9,7 +9,8 @@ import importlib.resources
 import numpy as np
 
 from jaxbundle.data.images import check_n, to_unit_float, validate_images
-from jaxbundle.data.source import ArraySource, Dataset
+from jaxbundle.data.base import ArraySource
+from jaxbundle.data.dataset import Dataset
 
 __all__ = ["load_mnist_sample", "sample_source"]
 
@@ -58,7 +59,7 @@ def load_mnist_sample(split: str = "test", n: int | None = None) -> Dataset:
 
 
 def sample_source(split: str = "test") -> ArraySource:
-    """The sample's ``split`` as a :class:`~jaxbundle.data.source.Source` (uint8 images)."""
+    """The sample's ``split`` as a :class:`~jaxbundle.data.base.Source` (uint8 images)."""
     if split not in _SPLITS:
         raise ValueError(f"mnist-sample split must be one of {_SPLITS}, got {split!r}")
     arrays = _sample_arrays()

@@ -2,8 +2,9 @@
 
 * :mod:`~jaxbundle.models.layers`: :class:`Conv`, a 'SAME' convolution fast to differentiate on CPU,
   and :func:`canonical_convolutions`, the same for any model's convolutions.
+* :mod:`~jaxbundle.models.config`: :class:`TrainConfig`, what determines a trained model.
 * :mod:`~jaxbundle.models.architectures`: :class:`SmallCNN`, :class:`MLP`, :func:`model_for`.
-* :mod:`~jaxbundle.models.training`: :class:`TrainConfig`, :func:`train` (standard or PGD
+* :mod:`~jaxbundle.models.training`: :func:`train` (standard or PGD
   adversarial), :func:`pgd_linf`, :func:`accuracy`.
 * :mod:`~jaxbundle.models.cache`: :func:`load_or_train` and the demo models :data:`MODELS`.
 * :mod:`~jaxbundle.models.randomized`: :func:`randomized`, a randomised defence (input noise
@@ -27,6 +28,7 @@ from jaxbundle.models.architectures import (
     model_for,
     model_name,
 )
+from jaxbundle.models.config import TrainConfig
 from jaxbundle.models.cache import (
     CODE_VERSION,
     MODELS,
@@ -42,7 +44,6 @@ from jaxbundle.models.training import (
     ADVERSARIAL,
     ADVERSARIAL_LINEN,
     STANDARD,
-    TrainConfig,
     accuracy,
     pgd_linf,
     train,

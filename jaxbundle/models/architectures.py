@@ -3,15 +3,13 @@
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import flax.linen as nn
 import jax
 
+from jaxbundle.models.config import TrainConfig
 from jaxbundle.models.layers import Conv
-
-if TYPE_CHECKING:
-    from jaxbundle.models.training import TrainConfig
 
 __all__ = ["ARCHITECTURES", "MLP", "LinenCNN", "SmallCNN", "model_for", "model_name"]
 
