@@ -1,9 +1,19 @@
-"""jaxbundle: per-example bundling of adversarial attacks for JAX image classifiers."""
+"""jaxbundle: per-example bundling of adversarial attacks for JAX image classifiers.
 
-from jaxbundle import attacks, goals, losses, norms
+``jaxbundle.evaluate(apply_fn, params, data, plan)`` evaluates a model under a plan
+(:class:`Plan`; named bundles are plans: ``jaxbundle.bundles.default(norm, eps)``), exactly as
+``jaxbundle evaluate`` does; ``jaxbundle.bundle(attacks, apply_fn, params, x, y, key, eps=...)``
+is the per-batch core. Importing the package loads neither the demo models and their trainer
+nor any dataset reader: they load when used (``jaxbundle.models``, ``jaxbundle.data.tfds``).
+"""
+
+from jaxbundle import attacks, bundles, goals, losses, norms
 from jaxbundle.bundler import BestState, BundleResult, bundle
+from jaxbundle.evaluation import Evaluation, evaluate
+from jaxbundle.plan import AttackSpec, Plan
 from jaxbundle.sampling import Stochastic, stochastic, with_eot
 
-__all__ = ["attacks", "goals", "losses", "norms", "bundle", "BestState", "BundleResult",
-           "Stochastic", "stochastic", "with_eot"]
+__all__ = ["AttackSpec", "BestState", "BundleResult", "Evaluation", "Plan", "Stochastic",
+           "attacks", "bundle", "bundles", "evaluate", "goals", "losses", "norms", "stochastic",
+           "with_eot"]
 __version__ = "0.1.0"

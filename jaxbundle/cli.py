@@ -13,6 +13,7 @@ the library.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import Sequence
@@ -20,28 +21,34 @@ from typing import Sequence
 from rich.console import Console
 from rich.table import Table
 
-from jaxbundle import suites
+from jaxbundle import bundles
+from jaxbundle.bundles import BUNDLES, bundle_attacks
+from jaxbundle.plan import Plan
 from jaxbundle.presets import PRESETS
-from jaxbundle.suites import ATTACKS, BUNDLES, bundle_attacks
+from jaxbundle.suites import ATTACKS
 
-__all__ = ["main", "build_attacks"]
+__all__ = ["build_plan", "main"]
 
 
-def build_attacks(args: argparse.Namespace):
-    """The attacks of ``--attacks`` if given, else of ``--bundle``."""
-    from jaxbundle import suites
-
-    options = dict(steps=args.steps, restarts=args.restarts, step_size=args.step_size,
-                   queries=args.queries)
-    if args.attacks:
-        built = tuple(suites.attack(name, args.norm, **options) for name in args.attacks)
-    else:
-        built = suites.bundle_attacks(args.bundle, args.norm, **options)
-    if args.queries is not None and not any(a.name in suites.QUERY_ATTACKS for a in built):
-        with_queries = ", ".join(sorted(suites.QUERY_ATTACKS))
-        raise ValueError(f"--queries sets the query budget of {with_queries}; no attack of "
-                         "this run has one")
-    return built
+def build_plan(args: argparse.Namespace, norm: str, eps: float) -> Plan:
+    """The plan the flags ask for: ``--bundle``'s (or ``--attacks``' in full mode) with every
+    flag given applied to it, checked. ``--schedule full`` on a cascade bundle drops the
+    bundle's own focus and segments; ``--focus`` adds to the bundle's."""
+    fields = {k: v for k, v in (
+        ("steps", args.steps), ("restarts", args.restarts), ("step_size", args.step_size),
+        ("queries", args.queries), ("threshold", args.threshold), ("budget", args.budget),
+        ("segments", args.segments), ("batch_size", args.batch_size), ("seed", args.seed),
+        ("judging", args.judging), ("eot", args.eot), ("judge_calls", args.judge_calls),
+        ("success_threshold", args.success_threshold)) if v is not None}
+    base = (Plan(eps=eps, norm=norm, attacks=tuple(args.attacks)) if args.attacks
+            else bundles.plan(args.bundle, norm, eps))
+    if args.schedule is not None and args.schedule != base.mode:
+        base = base.replace(mode=args.schedule, focus=(), segments=1)
+    if args.threshold is not None:
+        fields["goal"] = "max_confidence"
+    if args.focus:
+        fields["focus"] = tuple({**base.focus_map, **dict(args.focus)}.items())
+    return base.replace(**fields).check()
 
 
 def _positive_int(text: str) -> int:
@@ -173,7 +180,7 @@ def _parser() -> argparse.ArgumentParser:
     threat.add_argument(
         "--judging",
         choices=("auto", "grid", "float"),
-        default="auto",
+        default=None,
         help="judge on the 8-bit grid where the clean image is on it, else in float32 (auto); "
         "require the grid (grid); or judge everything in float32 (float)",
     )
@@ -205,7 +212,7 @@ def _parser() -> argparse.ArgumentParser:
     random = ev.add_argument_group(
         "stochastic models (randomised defences; see jaxbundle.sampling)")
     random.add_argument(
-        "--eot", type=_positive_int, default=1, metavar="N",
+        "--eot", type=_positive_int, default=None, metavar="N",
         help="every attack averages N model samples per call (expectation over "
         "transformation; each counts as a model pass); stochastic models only (default 1)",
     )
@@ -228,8 +235,12 @@ def _parser() -> argparse.ArgumentParser:
         "it (repeatable)",
     )
     run = ev.add_argument_group("running")
-    run.add_argument("--seed", type=int, default=0)
-    run.add_argument("--batch-size", type=_positive_int, default=250)
+    run.add_argument("--seed", type=int, default=None, help="example i draws from "
+                     "fold_in(key(seed), i) (default 0)")
+    run.add_argument("--batch-size", type=_positive_int, default=None,
+                     help="rows per batch (default 250)")
+    run.add_argument("--dry-run", action="store_true",
+                     help="build and check the plan, print it as JSON and stop")
     run.add_argument("--out", default="jaxbundle-report", help="report directory")
     run.add_argument(
         "--checkpoint-dir", default=None,
@@ -314,7 +325,6 @@ def _evaluate(args: argparse.Namespace, console: Console) -> None:
     n = args.n if args.n is not None else (1000 if args.data.startswith("mnist-sample") else None)
     source = data.head(source, n)
     norm, eps, preset = presets.resolve(source.name, args.preset, args.norm, args.eps)
-    args.norm, args.eps = norm, eps
     demo = dict(cache_dir=args.cache_dir, train_examples=args.train_examples,
                 train_epochs=args.train_epochs)
     demo_names = args.models if args.models is not None else ([] if args.model else
@@ -325,37 +335,20 @@ def _evaluate(args: argparse.Namespace, console: Console) -> None:
         else job.user_model(s)
         for s in args.surrogate
     ]
-    attack_list = build_attacks(args)
-    own = suites.Schedule() if args.attacks else suites.bundle_schedule(args.bundle)
-    schedule = args.schedule or own.mode
-    focus = dict(own.focus)
-    focus.update(dict(args.focus))
-    segments = own.segments if args.segments is None else args.segments
-    if schedule != "cascade":
-        for flag, given in (("--focus", args.focus), ("--segments", args.segments)):
-            if given:
-                raise ValueError(f"{flag} needs the cascade schedule (--schedule cascade)")
-        focus, segments = {}, 1
-    from jaxbundle.schedule import check_focus
-
-    check_focus(focus, attack_list, "misclassify" if args.threshold is None else "max_confidence")
-    config = {
-        "threat_model": preset, "bundle": None if args.attacks else args.bundle,
-        "steps": args.steps, "restarts": args.restarts, "step_size": args.step_size,
-        "queries": args.queries,
-    }
+    plan = build_plan(args, norm, eps)
+    if args.dry_run:
+        print(json.dumps({"plan": plan.describe(), "threat_model": preset,
+                          "data": {"name": source.name, "n": len(source)},
+                          "models": demo_names + list(args.model)}, indent=2))
+        return
+    config = {"threat_model": preset}
     cache = args.cache_dir or str(models.default_cache_dir())
     with job.compilation_cache(None if args.no_compile_cache else os.path.join(cache, "xla")):
         path, _ = job.run_job(
-            refs, source, attack_list, out=args.out, eps=eps, norm=norm, seed=args.seed,
-            batch_size=args.batch_size, judging=args.judging, shifts=not args.no_shifts,
+            refs, source, plan, out=args.out, shifts=not args.no_shifts,
             checkpoint_dir=args.checkpoint_dir, save_images=args.save_images,
-            best_effort=args.best_effort, surrogates=surrogates, schedule=schedule,
-            threshold=args.threshold, budget=args.budget, focus=focus, segments=segments,
-            eot=args.eot, judge_calls=args.judge_calls, success_threshold=args.success_threshold,
-            config=config,
-            console=console,
-            show_progress=not args.no_progress,
+            best_effort=args.best_effort, surrogates=surrogates, config=config,
+            console=console, show_progress=not args.no_progress,
         )
     if path is not None:
         console.print(f"report written to {path} (and report.md, figures)")

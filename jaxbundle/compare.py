@@ -23,6 +23,7 @@ from typing import Sequence
 from rich.table import Table
 
 from jaxbundle.formatting import decode_infinities, number, to_float
+from jaxbundle.schema import SCHEMA_VERSION as _SCHEMA_VERSION  # the newest this reads
 
 __all__ = ["load_reports", "compare_rows", "compare_table", "compare_markdown", "ROW_KEYS"]
 
@@ -37,7 +38,6 @@ ROW_KEYS = (
     "relative_robustness",
 )
 
-_SCHEMA_VERSION = 1  # jaxbundle.report.SCHEMA_VERSION, the newest this module reads
 def _report_file(path: str | os.PathLike) -> str:
     path = os.fspath(path)
     return os.path.join(path, "report.json") if os.path.isdir(path) else path

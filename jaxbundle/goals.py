@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jaxbundle import losses, norms
 
 __all__ = [
+    "BestState",
     "Score",
     "Goal",
     "score",
@@ -202,3 +203,13 @@ def check_goals(goals: tuple[str, ...] | list[str] | str) -> tuple[str, ...]:
     if unknown:
         raise ValueError(f"unknown goal(s) {unknown}; expected some of {sorted(GOALS)}")
     return ("misclassify",) + tuple(dict.fromkeys(g for g in goals if g != "misclassify"))
+
+
+class BestState(NamedTuple):
+    """The best candidate so far for one goal, per example (leading axis ``[B]``)."""
+
+    x: jax.Array  # [B, ...] adversarial image
+    score: Score  # its score (after verification: on the quantised image)
+    attack: jax.Array  # int32 [B]: index of the attack that found it; -1 = the clean image
+    restart: jax.Array  # int32 [B]: restart index within that attack
+    step: jax.Array  # int32 [B]: iterate index within that restart (0 = start)

@@ -5,7 +5,7 @@
 
 1. loads the model (a demo model, trained once and cached, or the user's ``MODULE:FUNCTION``)
    and checks it on a few examples (:func:`jaxbundle.models.check_model`);
-2. streams the data through :func:`jaxbundle.evaluate.evaluate_source` (resumable with
+2. streams the data through :func:`jaxbundle.evaluate` under the plan (resumable with
    ``checkpoint_dir``; adversarial images written to ``out/adversarial/<model>/`` with
    ``save_images``);
 3. measures the natural shifts on the first examples, and, if asked, RoBIC's best-effort
@@ -29,12 +29,13 @@ from jaxbundle import checks
 from jaxbundle import curves
 from jaxbundle import data as data_lib
 from jaxbundle import models as models_lib
-from jaxbundle import sampling
-from jaxbundle.attacks.base import Attack
-from jaxbundle.evaluate import Evaluation, evaluate_source
+from jaxbundle import schema
+from jaxbundle.evaluation import Evaluation, evaluate, for_model
+from jaxbundle.plan import Plan
 from jaxbundle.sampling import is_stochastic
 
 __all__ = [
+    "JobOptions",
     "ModelRef",
     "demo_model",
     "compilation_cache",
@@ -162,28 +163,27 @@ def _batched(source: data_lib.Source, batch_size: int):
         yield b._replace(x=data_lib.to_unit_float(b.x), y=b.y.astype(np.int32))
 
 
-def best_effort_metrics(
-    attacks: Sequence[Attack], apply_fn: Callable, params: Any, source: data_lib.Source, *,
-    eps_max: float, norm: str, seed: int, batch_size: int, judging: str, iterations: int = 8,
-) -> tuple[dict, np.ndarray]:
-    """RoBIC's best-effort mode over the whole source: the P(D) curve and D1/2 of the
-    fixed-budget attacks' bisected distortions, and those distortions per example."""
+def best_effort_metrics(plan: Plan, apply_fn: Callable, params: Any, source: data_lib.Source,
+                        iterations: int = 8) -> tuple[dict, np.ndarray]:
+    """RoBIC's best-effort mode over the whole source: the P(D) curve and D1/2 of the plan's
+    fixed-budget white-box attacks' bisected distortions (up to the plan's eps), and those
+    distortions per example."""
     from jaxbundle.best_effort import best_effort
 
-    fixed = tuple(a for a in attacks if a.goal == "misclassify" and not a.black_box)
+    fixed = tuple(a for a in plan.attack_values() if a.goal == "misclassify" and not a.black_box)
     if not fixed:
         raise ValueError("best-effort mode needs a fixed-budget white-box attack in the bundle")
-    key, parts = jax.random.key(seed), []
-    for b in _batched(source, batch_size):
-        r = best_effort(fixed, apply_fn, params, b.x, b.y, key, eps_max=eps_max, norm=norm,
-                        iterations=iterations, example_id=b.example_id, judging=judging)
+    key, parts = jax.random.key(plan.seed), []
+    for b in _batched(source, plan.batch_size):
+        r = best_effort(fixed, apply_fn, params, b.x, b.y, key, eps_max=plan.eps, norm=plan.norm,
+                        iterations=iterations, example_id=b.example_id, judging=plan.judging)
         ok = np.asarray(apply_fn(params, b.x)).argmax(-1) == b.y
         parts.append((np.asarray(r.distortion)[b.mask], ok[b.mask],
                       np.asarray(r.gradients)[b.mask]))
     d, ok, gradients = (np.concatenate(p) for p in zip(*parts))
-    grid = curves.distortion_grid(norm)
+    grid = curves.distortion_grid(plan.norm)
     metrics = {
-        "attacks": [a.name for a in fixed], "eps_max": eps_max, "iterations": iterations,
+        "attacks": [a.name for a in fixed], "eps_max": plan.eps, "iterations": iterations,
         "operating_characteristic": {
             "grid": grid.tolist(), "bundled": curves.operating_characteristic(d, ok, grid).tolist()
         },
@@ -193,24 +193,23 @@ def best_effort_metrics(
     return metrics, d
 
 
-def transfer_metrics(
-    attacks: Sequence[Attack], surrogates: Sequence[tuple[str, Callable, Any]], apply_fn: Callable,
-    params: Any, source: data_lib.Source, *, eps: float, norm: str, seed: int, batch_size: int,
-    judging: str,
-) -> tuple[dict, np.ndarray]:
-    """Transfer bundling from the surrogates over the whole source: the target's robust
-    accuracy under the voted transfer and under each surrogate, and per-example success."""
+def transfer_metrics(plan: Plan, surrogates: Sequence[tuple[str, Callable, Any]],
+                     apply_fn: Callable, params: Any, source: data_lib.Source
+                     ) -> tuple[dict, np.ndarray]:
+    """Transfer bundling from the surrogates over the whole source, with the plan's white-box
+    attacks: the target's robust accuracy under the voted transfer and under each surrogate, and
+    per-example success."""
     from jaxbundle.transfer import transfer_bundle
 
-    white = tuple(a for a in attacks if not a.black_box)
+    white = tuple(a for a in plan.attack_values() if not a.black_box)
     if not white:
         raise ValueError("transfer from surrogates needs a white-box attack in the bundle")
     names = [s[0] for s in surrogates]
     pairs = [(s[1], s[2]) for s in surrogates]
-    key, parts = jax.random.key(seed), []
-    for b in _batched(source, batch_size):
-        r = transfer_bundle(white, pairs, apply_fn, params, b.x, b.y, key, eps=eps, norm=norm,
-                            example_id=b.example_id, judging=judging)
+    key, parts = jax.random.key(plan.seed), []
+    for b in _batched(source, plan.batch_size):
+        r = transfer_bundle(white, pairs, apply_fn, params, b.x, b.y, key, eps=plan.eps,
+                            norm=plan.norm, example_id=b.example_id, judging=plan.judging)
         m = b.mask
         parts.append((np.asarray(r.target_clean_correct)[m], np.asarray(r.success)[m],
                       np.asarray(r.surrogate_success)[:, m]))
@@ -225,168 +224,150 @@ def transfer_metrics(
     return metrics, success
 
 
+class JobOptions(NamedTuple):
+    """What the job does besides evaluating each model under the plan."""
+
+    out: str  # the report directory
+    shifts: bool = True  # natural shifts on the first examples (see SHIFT_EXAMPLES)
+    checkpoint_dir: str | None = None  # resume from / checkpoint to checkpoint_dir/<model>/
+    save_images: bool = False  # adversarial images to out/adversarial/<model>/
+    best_effort: bool = False  # RoBIC's best-effort distortions (bisection on eps up to eps)
+    surrogates: Sequence[ModelRef] = ()  # models the attacker owns: transfer of their candidates
+
+
 def run_job(
     models: Sequence[ModelRef],
     source: data_lib.Source,
-    attacks: Sequence[Attack],
+    plan: Plan,
     *,
     out: str,
-    eps: float,
-    norm: str = "linf",
-    seed: int = 0,
-    batch_size: int = 250,
-    judging: str = "auto",
-    shifts: bool = True,
-    checkpoint_dir: str | None = None,
-    save_images: bool = False,
-    best_effort: bool = False,
-    surrogates: Sequence[ModelRef] = (),
-    schedule: str = "full",
-    threshold: float | None = None,
-    budget: float | None = None,
-    focus: dict[str, float] | None = None,
-    segments: int = 1,
-    eot: int = 1,
-    judge_calls: int | None = None,
-    success_threshold: float | None = None,
     config: dict | None = None,
     console: Any = None,
     show_progress: bool = True,
+    **options: Any,
 ) -> tuple[str | None, dict[str, tuple[Evaluation, float]]]:
-    """Evaluates every model on ``source`` under ``attacks`` and writes the report to ``out``.
+    """Evaluates every model on ``source`` under ``plan`` and writes the report to ``out``.
 
     Args:
       models: the models (see :func:`demo_model` and :func:`user_model`).
       source: the data (see :func:`jaxbundle.data.open_source`).
-      attacks: the bundle.
+      plan: the :class:`jaxbundle.Plan`; each model runs :func:`jaxbundle.evaluate` with it (a
+        deterministic model without the plan's stochastic options, which are for the
+        stochastic ones).
       out: the report directory.
-      eps, norm, seed, batch_size, judging: as in :func:`jaxbundle.evaluate.evaluate_source`.
-      shifts: also measure the natural shifts (on the first examples, see ``SHIFT_EXAMPLES``).
-      checkpoint_dir: resume from / checkpoint to ``checkpoint_dir/<model>/`` after every batch.
-      save_images: write the adversarial images to ``out/adversarial/<model>/`` as they are
-        made. Data held in memory (``source.in_memory``: the embedded sample, arrays) also keeps
-        them in the report's per-example file.
-      best_effort: add RoBIC's best-effort distortions (bisection on eps up to ``eps``).
-      surrogates: models the attacker owns; adds the transfer of their candidates.
-      schedule, threshold, budget: ``"full"`` or ``"cascade"`` (see
-        :func:`jaxbundle.evaluate.evaluate_source`); with ``threshold`` t the cascade drops an
-        example once a wrong class reaches confidence t (max-confidence goal), else once it is
-        misclassified; ``budget``: model passes per example for the cascade.
-      focus: attack name -> fraction: the cascade runs that attack only on the most promising
-        survivors (see :mod:`jaxbundle.schedule`).
-      segments: the cascade runs each attack's steps in this many segments; an example
-        satisfied after one stops there.
-      eot, judge_calls, success_threshold: for the stochastic models only (see
-        :mod:`jaxbundle.sampling`): every attack averages ``eot`` samples per model call, and
-        the judge's calls per candidate and success-rate threshold replace the model's own.
       config: what the report's ``config`` records besides what this function knows.
       console: a ``rich`` console to print progress and the tables on (process 0).
       show_progress: progress bars on ``console``.
+      options: the fields of :class:`JobOptions` (``shifts``, ``checkpoint_dir``,
+        ``save_images``, ``best_effort``, ``surrogates``). Data held in memory
+        (``source.in_memory``: the embedded sample, arrays) also keeps the adversarial images
+        in the report's per-example file.
 
     Returns:
       ``(path of report.json or None on processes other than 0, {model: (evaluation,
       seconds)})``.
     """
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
-    from rich.progress import TimeElapsedColumn
-
     from jaxbundle.report import print_tables, write_report
-    from jaxbundle.shifts import evaluate_shifts
 
+    job = JobOptions(out=out, **options)
+    plan.check()
     names = [m.name for m in models]
     if len(set(names)) != len(names) or not names:
         raise ValueError(f"model names must be unique and at least one, got {names}")
-    if (best_effort or surrogates) and jax.process_count() > 1:
+    if (job.best_effort or job.surrogates) and jax.process_count() > 1:
         raise ValueError("best-effort mode and surrogates run in a single process for now")
     lead = jax.process_index() == 0
-    progress = Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=console, disable=console is None or not show_progress or not lead,
-    )
-    loaded_surrogates = []
+    progress = _progress(console, show_progress and lead)
     results: dict[str, tuple[Evaluation, float]] = {}
     sample_x, _ = _in_memory(source, min(len(source), 8))
     with progress:
-        for ref in surrogates:
-            task = progress.add_task(f"surrogate {ref.name}: load", total=None)
-            apply_fn, params = _load_checked(ref, progress, task, sample_x, source)
-            loaded_surrogates.append((ref.name, apply_fn, params))
+        surrogates = [(ref.name, *_load_checked(ref, progress, f"surrogate {ref.name}: load",
+                                                sample_x, source)) for ref in job.surrogates]
         for ref in models:
-            task = progress.add_task(f"{ref.name}: train or load", total=None)
-            apply_fn, params = _load_checked(ref, progress, task, sample_x, source)
-            model_attacks = attacks
-            if is_stochastic(apply_fn):
-                if best_effort or loaded_surrogates:
-                    raise ValueError(
-                        f"model {ref.name!r} is stochastic: best-effort mode and surrogates do not "
-                        "support stochastic models yet (drop --best-effort / --surrogate)")
-                apply_fn = sampling.stochastic(
-                    apply_fn.apply_fn,
-                    calls=apply_fn.calls if judge_calls is None else judge_calls,
-                    threshold=apply_fn.threshold if success_threshold is None
-                    else success_threshold)
-                model_attacks = sampling.with_eot(attacks, eot)
-            progress.update(task, description=f"{ref.name}: attack")
-            start = time.perf_counter()
-            step = lambda done, total: progress.update(task, completed=done, total=total)  # noqa: E731
-            evaluation = evaluate_source(
-                apply_fn, params, source, model_attacks, eps=eps, norm=norm, seed=seed,
-                batch_size=batch_size, judging=judging, progress=step,
-                checkpoint_dir=(None if checkpoint_dir is None
-                                else os.path.join(checkpoint_dir, ref.name)),
-                images_dir=os.path.join(out, "adversarial", ref.name) if save_images else None,
-                keep_images=getattr(source, "in_memory", False), schedule=schedule,
-                schedule_goal="misclassify" if threshold is None else "max_confidence",
-                threshold=threshold, budget=budget, focus=focus, segments=segments,
-            )
-            metrics = evaluation.metrics
-            metrics["model"] = ref.origin
-            if shifts:
-                progress.update(task, description=f"{ref.name}: natural shifts")
-                x, y = _in_memory(source, _shift_examples(source))
-                metrics["shifts"] = evaluate_shifts(apply_fn, params, x, y, seed=seed)
-                metrics["shift_examples"] = len(y)
-            common = dict(norm=norm, seed=seed, batch_size=batch_size, judging=judging)
-            if best_effort:
-                progress.update(task, description=f"{ref.name}: best effort")
-                metrics["best_effort"], d = best_effort_metrics(
-                    attacks, apply_fn, params, source, eps_max=eps, **common
-                )
-                evaluation.per_example["best_effort_distortion"] = d
-                pe = evaluation.per_example
-                checks.add(metrics, pe, "non_monotone", checks.non_monotone(pe, d),
-                           "{count} correctly classified examples were fooled by the bisection "
-                           "at a radius at most eps but not by the evaluation at eps")
-            if loaded_surrogates:
-                progress.update(task, description=f"{ref.name}: transfer")
-                metrics["transfer"], success = transfer_metrics(
-                    attacks, loaded_surrogates, apply_fn, params, source, eps=eps, **common
-                )
-                evaluation.per_example["transfer_success"] = success
-                pe = evaluation.per_example
-                checks.add(metrics, pe, "transfer_beats_white_box",
-                           checks.transfer_beats_white_box(pe, success, attacks),
-                           "{count} correctly classified examples were fooled by a surrogate's "
-                           "transfer and by no white-box attack on the model")
-            results[ref.name] = (evaluation, time.perf_counter() - start)
+            apply_fn, params = _load_checked(ref, progress, f"{ref.name}: train or load",
+                                             sample_x, source)
+            results[ref.name] = _evaluate_model(ref, apply_fn, params, source, plan, job,
+                                                surrogates, progress)
     if not lead:
         return None, results
     if console is not None:
         print_tables(console, results)
     record = dict(config or {})
     record.update(
-        dataset=source.name, n=len(source), eps=eps, norm=norm, seed=seed, judging=judging,
-        batch_size=batch_size, attacks=[a.name for a in attacks], models=names,
+        plan=plan.describe(), dataset=source.name, n=len(source), models=names,
         model_origins={m.name: m.origin for m in models},
-        surrogates={m.name: m.origin for m in surrogates}, best_effort=best_effort,
-        schedule=schedule, threshold=threshold, budget=budget, focus=dict(focus or {}),
-        segments=segments, eot=eot, judge_calls=judge_calls, success_threshold=success_threshold,
-        processes=jax.process_count(), devices=jax.device_count(),
+        surrogates={m.name: m.origin for m in job.surrogates}, best_effort=job.best_effort,
+        shifts=job.shifts, processes=jax.process_count(), devices=jax.device_count(),
     )
     return write_report(out, record, results), results
 
 
-def _load_checked(ref: ModelRef, progress, task, sample_x: np.ndarray, source) -> tuple:
+def _progress(console: Any, show: bool):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+    from rich.progress import TimeElapsedColumn
+
+    return Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=console, disable=console is None or not show,
+    )
+
+
+def _evaluate_model(ref: ModelRef, apply_fn: Callable, params: Any, source: data_lib.Source,
+                    plan: Plan, job: JobOptions, surrogates: list, progress
+                    ) -> tuple[Evaluation, float]:
+    """One model of the job: its evaluation under the plan, then the shifts, best-effort
+    distortions and transfer asked for, and the seconds it all took."""
+    from jaxbundle.shifts import evaluate_shifts
+
+    if is_stochastic(apply_fn):
+        if job.best_effort or surrogates:
+            raise ValueError(
+                f"model {ref.name!r} is stochastic: best-effort mode and surrogates do not "
+                "support stochastic models yet (drop --best-effort / --surrogate)")
+    else:  # --eot and the judge's settings are for the stochastic models of the job
+        plan = plan.replace(eot=1, judge_calls=None, success_threshold=None)
+    task = progress.add_task(f"{ref.name}: attack", total=None)
+    start = time.perf_counter()
+    evaluation = evaluate(
+        apply_fn, params, source, plan,
+        checkpoint_dir=(None if job.checkpoint_dir is None
+                        else os.path.join(job.checkpoint_dir, ref.name)),
+        images_dir=os.path.join(job.out, "adversarial", ref.name) if job.save_images else None,
+        progress=lambda done, total: progress.update(task, completed=done, total=total),
+    )
+    extras: dict[str, Any] = {"model": ref.origin}
+    pe = evaluation.per_example
+    if job.shifts:
+        progress.update(task, description=f"{ref.name}: natural shifts")
+        x, y = _in_memory(source, _shift_examples(source))
+        judged = for_model(plan, apply_fn)[0]  # a stochastic model as the plan judges it
+        extras.update(shifts=evaluate_shifts(judged, params, x, y, seed=plan.seed),
+                      shift_examples=len(y))
+    if job.best_effort:
+        progress.update(task, description=f"{ref.name}: best effort")
+        extras["best_effort"], d = best_effort_metrics(plan, apply_fn, params, source)
+        pe["best_effort_distortion"] = d
+    if surrogates:
+        progress.update(task, description=f"{ref.name}: transfer")
+        extras["transfer"], success = transfer_metrics(plan, surrogates, apply_fn, params,
+                                                       source)
+        pe["transfer_success"] = success
+    metrics = schema.with_extras(evaluation.metrics, **extras)
+    if job.best_effort:
+        checks.add(metrics, pe, "non_monotone", checks.non_monotone(pe, d),
+                   "{count} correctly classified examples were fooled by the bisection "
+                   "at a radius at most eps but not by the evaluation at eps")
+    if surrogates:
+        checks.add(metrics, pe, "transfer_beats_white_box",
+                   checks.transfer_beats_white_box(pe, success, plan.attack_values()),
+                   "{count} correctly classified examples were fooled by a surrogate's "
+                   "transfer and by no white-box attack on the model")
+    return evaluation._replace(metrics=metrics), time.perf_counter() - start
+
+
+def _load_checked(ref: ModelRef, progress, description: str, sample_x: np.ndarray,
+                  source) -> tuple:
+    task = progress.add_task(description, total=None)
     apply_fn, params = ref.load(
         lambda done, total: progress.update(task, completed=done, total=total)
     )

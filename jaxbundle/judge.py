@@ -27,7 +27,7 @@ must be on the grid (a clear error otherwise); ``"float"`` everything in float32
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,9 +35,7 @@ import jax.numpy as jnp
 from jaxbundle import goals as goals_lib
 from jaxbundle import norms
 from jaxbundle.attacks.base import WhiteBoxModel
-
-if TYPE_CHECKING:
-    from jaxbundle.bundler import BestState
+from jaxbundle.goals import BestState
 
 __all__ = [
     "JUDGING",
@@ -132,7 +130,7 @@ def judged_score(
 
 
 def verify(
-    best: "BestState",
+    best: BestState,
     goal: str,
     model: WhiteBoxModel,
     x0: jax.Array,
@@ -140,7 +138,7 @@ def verify(
     eps: jax.Array,
     norm: str,
     grid: jax.Array,
-    clean: "BestState",
+    clean: BestState,
     stretch: Sequence[float] = STRETCH,
 ) -> "BestState":
     """Judges a best state on what a user would submit.

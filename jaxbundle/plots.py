@@ -1,7 +1,7 @@
 """Figures of a report: P(D), the attack table, failure rate vs confidence, robustness vs compute
 and adversarial examples, one PNG per figure.
 
-Every function takes the metrics of one model (as :func:`jaxbundle.evaluate.evaluate` returns
+Every function takes the metrics of one model (as :func:`jaxbundle.evaluate` returns
 them, or as read back from ``report.json``, where an infinite value is the string ``"inf"``),
 writes a small PNG to ``path`` and returns ``path``. A figure whose data is missing (e.g. no
 ``failure_rate_curve`` because the max-confidence goal was not tracked) is still written, as a

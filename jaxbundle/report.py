@@ -1,79 +1,10 @@
-"""Reports: terminal tables, ``report.json`` and per-example ``.npz`` files.
+"""Reports: terminal tables, ``report.json``, ``report.md``, per-example ``.npz`` files, figures.
 
-Schema of ``report.json`` (version 1)::
-
-    {
-      "schema_version": 1,
-      "jaxbundle_version": "...",
-      "config": {...},                     # the run's settings (dataset, n, eps, norm, attacks...)
-      "models": {
-        "<model>": {
-          "n_examples": int,
-          "clean_accuracy": float,         # percent
-          "robust_accuracy": float,        # percent, bundled (every attack, per example)
-          "relative_robustness": float | null,   # robust / clean correct x 100
-          "mat": {"<attack>": float},      # percent robust accuracy of each attack alone
-                                           # (empty with the cascade schedule)
-          "schedule": {"mode": "full" | "cascade",   # cascade also: "goal", "threshold",
-                       "stages": [{"attack", "examples", "rows", "gradients", "queries",
-                                   "robust_accuracy"}]},  # "budget", "focus", "segments";
-                                           # one stage per attack
-          "wat": float,                    # lowest single-attack robust accuracy
-          "wat_attack": "<attack>",
-          "confident_failure_rate": {"<threshold>": float},  # percent; max_confidence goal only
-          "white_box_robust_accuracy": float | null,  # bundle of the white-box attacks alone
-          "black_box_robust_accuracy": float | null,  # bundle of the black-box attacks alone
-          "black_box_only": int,           # examples only a black-box attack fooled (masking?)
-          "checks": {"<check>": {"passed": bool, "saw": str, "means": str, "advice": str,
-                                 "examples": int | null}},  # jaxbundle.checks
-          "check_flag_names": [str],       # the columns of the npz's check_flags
-          "operating_characteristic": {"grid": [D...],
-                                       "white_box" | "black_box" | "bundled": [P(D)...]},
-          "half_distortion": {"white_box" | "black_box" | "bundled":
-                              {"d_half": float | "inf" | null, "fooled_fraction": float,
-                               "n_correct": int}},
-          "failure_rate_curve": {"thresholds": [...], "attacked": [...], "clean": [...]},
-          "attack_contribution": {"<attack>": {"won": int, "only_this": int}},
-          "robustness_vs_compute": {"cost": [gradients + queries...], "robust_accuracy": [...]},
-          "shifts": {"clean_accuracy": float, "<shift>": {"<severity>": {"accuracy": float,
-                     "relative_robustness": float | null}}},          # unless --no-shifts
-          "figures": {"<figure>": "<file>.png"},
-          "eps": float, "norm": str, "seed": int, "goals": [str],
-          "judging": {"mode": "auto" | "grid" | "float", "grid_examples": int,
-                      "float_examples": int, "grid_radius": float, "statement": str},
-          "stochastic": {                  # only for a stochastic model (jaxbundle.sampling)
-              "calls": int, "threshold": float,  # judge's calls per candidate; fooled above
-              "eot": {"<attack>": int},          # model samples averaged per call
-              "statement": str, "mean_success_rate": float, "mean_clean_success_rate": float,
-              "robust_accuracy_at_threshold": {"<t>": float}},  # fraction, t in 0..0.9
-          "per_example": "<model>.npz",
-          "seconds": float
-        }
-      }
-    }
-
-Each ``<model>.npz`` holds arrays of length ``n_examples``: ``label``, ``clean_prediction``,
-``adversarial_prediction``, ``success`` (bool, verified), ``distortion`` (of the reported
-adversarial image), ``winning_attack`` (index into ``attack_names``; -1 = the clean image),
-``winning_restart``, ``winning_step``, ``attack_success`` (``[n, A]``), ``gradients``,
-``queries`` (black-box model queries; both count every EOT sample), ``black_box_only`` (bool:
-fooled only by black-box attacks),
-``judged_on_grid`` (bool), ``x_adv`` (the judged adversarial images: uint8 when every example
-was judged on the 8-bit grid, else float32), ``max_wrong_confidence`` and ``min_distortion``
-(``inf`` where no misclassified candidate was found), ``attack_distortion`` (``[n, A]``, each
-attack's smallest verified adversarial distortion, ``inf``: none), ``min_distortion_white_box``
-/ ``_black_box`` / ``_bundled``, ``clean_wrong_confidence``, ``attack_step`` (``[n, A]``, the
-step of each attack's best candidate; -1: it never beat the clean image, -2: it did not run),
-``attack_improving`` (``[n, A]``: the attack failed while its margin was still rising),
-``zero_gradient`` (bool: the clean cross-entropy gradient is exactly zero), ``check_flags``
-(``[n, F]`` bool, the per-example checks named by ``check_flag_names``), ``attack_names``, and
-for a stochastic model ``success_rate`` and ``clean_success_rate`` (the fraction of the
-judge's calls that misclassify the reported image and the clean image; ``success`` is
-``success_rate > threshold``).
-
-Infinite values (a D1/2 when under half the examples are ever fooled) are written as the string
-``"inf"``: JSON has no infinity, and a NaN never stands for a number here. ``report.md`` holds
-the same figures as Markdown tables with the PNG plots.
+The fields of ``report.json`` and of each ``<model>.npz`` are listed once, in
+:mod:`jaxbundle.schema` (and in docs/report.md); this module only writes them. Infinite values
+(a D1/2 when under half the examples are ever fooled) are written as the string ``"inf"``: JSON
+has no infinity, and a NaN never stands for a number here. ``report.md`` holds the same figures
+as Markdown tables with the PNG plots.
 """
 
 from __future__ import annotations
@@ -86,12 +17,11 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from jaxbundle.evaluate import Evaluation
+from jaxbundle.evaluation import Evaluation
 from jaxbundle.formatting import encode_infinities, number
+from jaxbundle.schema import SCHEMA_VERSION, with_extras
 
 __all__ = ["SCHEMA_VERSION", "table", "print_tables", "write_report", "markdown"]
-
-SCHEMA_VERSION = 1
 
 
 def attack_rows(metrics: dict) -> list[tuple[str, float | None]]:
@@ -110,7 +40,7 @@ def table(model_name: str, metrics: dict) -> Table:
     """A terminal table: clean accuracy, MAT rows, WAT, bundled robust accuracy and RR."""
     t = Table(
         title=f"{model_name}: {metrics['norm']} eps={metrics['eps']:g}, "
-        f"n={metrics['n_examples']}, seed={metrics['seed']}",
+        f"n={metrics['n_examples']}, seed={metrics['plan']['run']['seed']}",
         title_justify="left",
     )
     t.add_column("row")
@@ -157,7 +87,7 @@ def write_report(
         figures = plots.write_all(
             evaluation.metrics, *_grid_inputs(evaluation, x_clean), out_dir, prefix=name
         )
-        models[name] = dict(
+        models[name] = with_extras(
             evaluation.metrics, per_example=npz, figures=figures, seconds=round(seconds, 2)
         )
     report = {
@@ -209,11 +139,14 @@ def check_lines(checks: dict[str, dict]) -> list[str]:
 def markdown(report: dict) -> str:
     """The report as Markdown: per model the attack table, D1/2, shifts and the figures."""
     c = report["config"]
+    plan = c.get("plan") or {}
+    threat, attacks = plan.get("threat_model") or {}, [a["name"] for a in plan.get("attacks", [])]
     lines = [
         "# jaxbundle report",
         "",
-        f"{c.get('dataset', '?')}, n={c.get('n')}, {c.get('norm')} eps={c.get('eps')}, "
-        f"attacks: {', '.join(c.get('attacks', []))}, seed {c.get('seed')}.",
+        f"{c.get('dataset', '?')}, n={c.get('n')}, {threat.get('norm')} eps={threat.get('eps')}, "
+        f"attacks: {', '.join(attacks)} ({plan.get('schedule', {}).get('mode')}), "
+        f"seed {plan.get('run', {}).get('seed')}.",
         "",
     ]
     for name, m in report["models"].items():
@@ -237,17 +170,17 @@ def markdown(report: dict) -> str:
             f"Judged: {m['judging']['statement']}.",
             "",
             *([f"{m['stochastic']['statement']}; {_rates(m['stochastic'])}.", ""]
-              if "stochastic" in m else []),
+              if m.get("stochastic") else []),
             f"Fooled only by black-box attacks: {m.get('black_box_only', 0)} examples.",
             "",
         ]
-        checks = m.get("checks", {})
+        checks = (m.get("checks") or {})
         if checks:
             lines += ["| check | passed | saw | means / try |", "|---|---|---|---|"]
             lines += [f"| {k} | {'yes' if c['passed'] else '**no**'} | {c['saw']} | "
                       f"{c['means']}; try: {c['advice']} |" for k, c in checks.items()]
             lines.append("")
-        half = m.get("half_distortion", {})
+        half = (m.get("half_distortion") or {})
         if half:
             lines += ["| half-distortion D1/2 (" + m["norm"] + ") | value |", "|---|---|"]
             lines += [f"| {k.replace('_', '-')} | {_half_text(h)} |" for k, h in half.items()]
@@ -265,7 +198,7 @@ def markdown(report: dict) -> str:
                          for v in shifts[s_name].values()]
                 lines.append(f"| {s_name} | " + " | ".join(cells) + " |")
             lines.append("")
-        for fig, file in m.get("figures", {}).items():
+        for fig, file in (m.get("figures") or {}).items():
             lines += [f"![{name} {fig}]({file})", ""]
     return "\n".join(lines)
 
@@ -288,10 +221,10 @@ def print_tables(console: Console, results: dict[str, tuple[Evaluation, float]])
         m = evaluation.metrics
         console.print(table(name, m))
         console.print(f"  judged: {m['judging']['statement']}", highlight=False, soft_wrap=True)
-        if "stochastic" in m:
+        if m.get("stochastic"):
             console.print(f"  {m['stochastic']['statement']}; {_rates(m['stochastic'])}",
                           highlight=False, soft_wrap=True)
-        for line in check_lines(m.get("checks", {})):
+        for line in check_lines((m.get("checks") or {})):
             console.print(f"  {line}", highlight=False, soft_wrap=True)
         half = m.get("half_distortion")
         if half:

@@ -62,14 +62,11 @@ from jaxbundle import goals as goals_lib
 from jaxbundle.attacks.base import Attack, per_example_keys
 from jaxbundle import bundler
 from jaxbundle.bundler import BestState, BundleResult, _bundle, fold
+from jaxbundle.plan import Plan
 
 __all__ = [
-    "SCHEDULES", "Stage", "bucket_sizes", "cascade", "check_focus", "check_segments", "promise",
-    "satisfied",
+    "Stage", "bucket_sizes", "cascade", "promise", "satisfied",
 ]
-
-SCHEDULES = ("full", "cascade")
-
 
 class Stage(NamedTuple):
     """What one stage of a cascade did on one batch (host integers)."""
@@ -171,30 +168,6 @@ def _merge(best, eps, rows, found, *, goal_names):
 @jax.jit
 def _put(a, rows, values):
     return a.at[rows].set(values)
-
-
-def check_segments(segments: int) -> int:
-    """``segments`` checked: a positive integer."""
-    if isinstance(segments, bool) or not isinstance(segments, (int, np.integer)) or segments < 1:
-        raise ValueError(f"segments must be a positive integer, got {segments!r}")
-    return int(segments)
-
-
-def check_focus(focus: dict[str, float] | None, attacks: Sequence[Attack], goal: str
-                ) -> dict[str, float]:
-    """``focus`` checked against the bundle's attack names and the cascade's goal."""
-    focus = dict(focus or {})
-    names = [a.name for a in attacks]
-    for name, fraction in focus.items():
-        if name not in names:
-            raise ValueError(f"focus names attack {name!r}, which is not in the bundle {names}")
-        if isinstance(fraction, bool) or not 0 < fraction <= 1:
-            raise ValueError(f"focus of {name!r} must be a fraction in (0, 1], got {fraction!r}")
-    if focus and goals_lib.GOALS[goal].satisfied is None:
-        can = [g.name for g in goals_lib.GOALS.values() if g.satisfied is not None]
-        raise ValueError(f"focus needs a goal that can be satisfied ({' or '.join(can)}), "
-                         f"not {goal}")
-    return focus
 
 
 class _Batch(NamedTuple):
@@ -315,6 +288,7 @@ def _segmented_stage(b: _Batch, attack: Attack, k: int, order: np.ndarray, best,
 
 
 def cascade(
+    plan: Plan,
     attacks: Sequence[Attack],
     apply_fn: Callable[[Any, jax.Array], jax.Array],
     params: Any,
@@ -324,33 +298,25 @@ def cascade(
     example_id: jax.Array,
     eps: jax.Array,
     *,
-    norm: str,
     goal_names: tuple[str, ...],
-    judging: str = "auto",
     mask: np.ndarray | None = None,
-    goal: str = "misclassify",
-    threshold: float | None = None,
-    budget: float | None = None,
-    focus: dict[str, float] | None = None,
-    unroll: int | bool = 1,
-    restart_mode: str = "vmap",
     mesh: Any = None,
-    segments: int = 1,
 ) -> tuple[BundleResult, list[Stage]]:
-    """Runs ``attacks`` on one batch as a cascade (see the module docstring).
+    """Runs ``attacks`` on one batch as a cascade under ``plan`` (see the module docstring).
 
     Args:
-      attacks, apply_fn, params, x, y, key, example_id, eps, norm, judging, unroll,
-        restart_mode: as in :func:`jaxbundle.bundler.bundle` (``attacks`` checked already).
+      plan: a checked :class:`jaxbundle.Plan`: its threat model, and its schedule's ``goal``
+        (whose satisfaction drops an example), ``threshold`` (the defender's confidence t for
+        ``max_confidence``), ``budget`` (model passes per example, on average over the real
+        rows, for the whole cascade), ``focus`` (attack name -> fraction in (0, 1]: that
+        attack runs only on the most promising ``fraction * survivors`` survivors,
+        :func:`promise`, rounded to a bucket size) and ``segments`` (each attack's steps in up
+        to this many equal segments; after each, the examples whose goal is satisfied stop
+        and the rest are compacted; 1: whole stages), ``unroll`` and ``restart_mode``.
+      attacks: the plan's attacks as built for this model (EOT applied).
+      apply_fn, params, x, y, key, example_id, eps: as in :func:`jaxbundle.bundler.bundle`.
       goal_names: the goals the bundle tracks (:func:`jaxbundle.bundler.goals_for`).
       mask: host bool ``[B]``, False on padding rows (never attacked); default all True.
-      goal: the goal whose satisfaction drops an example (one of ``goal_names``).
-      threshold: the defender's confidence threshold t, for ``goal="max_confidence"``.
-      budget: model passes per example, on average over the real rows, for the whole cascade.
-      focus: attack name -> fraction in (0, 1]: that attack runs only on the most promising
-        ``fraction * survivors`` survivors (:func:`promise`), rounded to a bucket size.
-      segments: run each attack's steps in up to this many equal segments; after each, the
-        examples whose ``goal`` is satisfied stop and the rest are compacted (1: whole stages).
       mesh: the 1-D ``("batch",)`` mesh the batch is sharded over, if any: bucket sizes are
         multiples of its size, and the survivors' mask is replicated before it is read, so every
         process reads the same mask and runs the same programs.
@@ -361,12 +327,9 @@ def cascade(
       each example really cost) and one :class:`Stage` per attack.
     """
     attacks = tuple(attacks)
-    if goal not in goal_names:
-        raise ValueError(f"the cascade's goal {goal!r} is not among the goals {goal_names}")
-    if goal == "max_confidence" and not (threshold is not None and 0 < threshold <= 1):
-        raise ValueError(f"goal max_confidence needs a threshold t in (0, 1], got {threshold}")
-    check_segments(segments)
-    focus = check_focus(focus, attacks, goal)
+    norm, judging, goal, threshold = plan.norm, plan.judging, plan.goal, plan.threshold
+    budget, focus, segments = plan.budget, plan.focus_map, plan.segments
+    unroll, restart_mode = plan.unroll, plan.restart_mode
     batch = int(y.shape[0])
     real = np.ones(batch, bool) if mask is None else np.asarray(mask, bool)
     eps = jnp.broadcast_to(jnp.asarray(eps, jnp.float32), y.shape)

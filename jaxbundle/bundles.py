@@ -1,0 +1,126 @@
+"""Named bundles, each an evaluation plan (:class:`jaxbundle.Plan`) with its own schedule.
+
+``plan(name, norm, eps, **fields)`` (or the function of that name: ``default(norm, eps)``,
+``autoattack(norm, eps)``, ``black_box(norm, eps)``, ...) returns the bundle's plan; any field
+of it can be changed there or later with :meth:`Plan.replace`. ``jaxbundle evaluate --bundle
+NAME`` runs exactly the plan ``plan(NAME, norm, eps)`` with the flags given applied to it.
+
+``standard``
+    At least AutoAttack's white-box part (Croce & Hein 2020): APGD-CE (100 steps) and APGD-T
+    (targeted DLR, 9 target classes x 100 steps), plus FMN (100 steps), a minimum-norm attack
+    whose candidates within eps count too and which gives every example a distortion.
+``fast``
+    A quick look: APGD-CE and APGD-T with 3 targets (``apgd-t3``), 20 steps each.
+``pgd``
+    The walking skeleton's bundle: FGSM, and PGD-40 with the CE and the margin loss, 3
+    random restarts each.
+``default``
+    The main job's, strongest for its cost, run as a cascade, each stage on the survivors of the
+    ones before: APGD-CE (20 steps) on every example; APGD-CE again with 100 steps
+    (``apgd-ce-long``) and APGD-T (``apgd-t5``: 5 targets x 40 steps), each on the more
+    promising half of the survivors (rounded to the nearest bucket size); then AutoAttack's
+    Square (``square-aa``: 5,000 queries, p_init 0.8), the score-based check against gradient
+    masking, on the 8 % most promising survivors (the plan's ``focus``: promise is the
+    smallest margin left by the stages before). Each stage runs in 6 segments, and an example
+    fooled in one stops there. How it compares with AutoAttack: benchmarks/README.md.
+``broad``
+    A many-attack table (run in full): the ``pgd`` bundle, FMN (100 steps, white-box minimum
+    norm), Square (1,000 queries) and a decision-based minimum-norm attack with 1,000 queries
+    (RayS in Linf, SurFree in L2), so that the report has white-box and black-box robust
+    accuracy per attack, P(D) curves per kind and D1/2.
+``black-box``
+    Square, and RayS (Linf) or SurFree (L2), with 5,000 queries each.
+``autoattack``
+    AutoAttack's standard version (Croce & Hein 2020) with its original parameters: APGD-CE
+    (100 steps), APGD-T (9 targets x 100), FAB-T (9 targets x 100) and Square (5,000 queries,
+    p_init 0.8, the schedule not rescaled), run as AutoAttack runs it, each attack only on the
+    examples the earlier ones did not fool (a cascade).
+``min-norm``
+    The white-box minimum-norm attacks for the success-vs-distortion curve (L2: FMN, BP, CW,
+    DeepFool; Linf: FMN, DeepFool).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from jaxbundle import norms
+from jaxbundle.attacks.base import Attack
+from jaxbundle.plan import AttackSpec, Plan
+
+__all__ = ["BUNDLES", "Bundle", "autoattack", "black_box", "broad", "bundle_attacks", "default",
+           "fast", "min_norm", "pgd", "plan", "standard"]
+
+
+class Bundle(NamedTuple):
+    """A named bundle: its attacks (each with the norms it applies to, None: both) and the
+    schedule it runs under."""
+
+    attacks: tuple[tuple[AttackSpec, tuple[str, ...] | None], ...]
+    mode: str = "full"
+    focus: tuple[tuple[str, float], ...] = ()
+    segments: int = 1
+
+
+def _a(name: str, only: tuple[str, ...] | None = None, **budget: int):
+    return AttackSpec(name, **budget), only
+
+
+BUNDLES: dict[str, Bundle] = {
+    "standard": Bundle((_a("apgd-ce"), _a("apgd-t"), _a("fmn"))),
+    "fast": Bundle((_a("apgd-ce", steps=20), _a("apgd-t3", steps=20))),
+    "pgd": Bundle((_a("fgsm"), _a("pgd-ce", restarts=3), _a("pgd-margin", restarts=3))),
+    "default": Bundle(
+        (_a("apgd-ce", steps=20), _a("apgd-ce-long", steps=100), _a("apgd-t5", steps=40),
+         _a("square-aa", queries=5000)),
+        mode="cascade", focus=(("apgd-ce-long", 0.5), ("apgd-t5", 0.5), ("square-aa", 0.08)),
+        segments=6,
+    ),
+    "broad": Bundle((
+        _a("fgsm"), _a("pgd-ce", restarts=3), _a("pgd-margin", restarts=3), _a("fmn"),
+        _a("square", queries=1000), _a("rays", ("linf",), queries=1000),
+        _a("surfree", ("l2",), queries=1000),
+    )),
+    "autoattack": Bundle(
+        (_a("apgd-ce"), _a("apgd-t"), _a("fab-t"), _a("square-aa", queries=5000)),
+        mode="cascade",
+    ),
+    "black-box": Bundle((_a("square"), _a("rays", ("linf",)), _a("surfree", ("l2",)))),
+    "min-norm": Bundle((_a("fmn"), _a("bp-variant", ("l2",)), _a("cw-l2-light", ("l2",)),
+                        _a("deepfool"))),
+}
+
+
+def plan(name: str, norm: str = "linf", eps: float | None = None, **fields: Any) -> Plan:
+    """The plan of the bundle ``name`` for ``norm`` at radius ``eps``, with ``fields`` (any of
+    :class:`jaxbundle.Plan`'s) changed; checked."""
+    norms.check_norm(norm)
+    if name not in BUNDLES:
+        raise ValueError(f"unknown bundle {name!r}; choose from {', '.join(BUNDLES)}")
+    if eps is None:
+        raise ValueError(f"bundle {name!r} needs the threat model's eps")
+    b = BUNDLES[name]
+    attacks = tuple(spec for spec, only in b.attacks if only is None or norm in only)
+    base = Plan(eps=eps, norm=norm, attacks=attacks, bundle=name, mode=b.mode, focus=b.focus,
+                segments=b.segments)
+    return base.replace(**fields).check()
+
+
+def bundle_attacks(name: str, norm: str = "linf", **overrides: Any) -> tuple[Attack, ...]:
+    """The attacks of the bundle ``name`` for ``norm``, built (``overrides``: ``steps``,
+    ``restarts``, ``step_size``, ``queries``, as in :class:`jaxbundle.Plan`)."""
+    return plan(name, norm, 0.0, **overrides).attack_values()
+
+
+def _named(name: str):
+    def make(norm: str = "linf", eps: float | None = None, **fields: Any) -> Plan:
+        return plan(name, norm, eps, **fields)
+
+    make.__name__ = make.__qualname__ = name.replace("-", "_")
+    make.__doc__ = f"The plan of the ``{name}`` bundle: ``plan({name!r}, norm, eps, **fields)``."
+    return make
+
+
+standard, fast, pgd, default = (_named(n) for n in ("standard", "fast", "pgd", "default"))
+broad, autoattack = _named("broad"), _named("autoattack")
+black_box, min_norm = _named("black-box"), _named("min-norm")

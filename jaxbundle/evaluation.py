@@ -1,0 +1,382 @@
+"""The evaluation driver: a plan run over a dataset in fixed-shape batches, on a device mesh.
+
+``jaxbundle.evaluate(apply_fn, params, data, plan)`` reads ``data`` batch by batch (padded, so
+one compiled program serves the whole dataset), runs the plan's runner on each
+(:mod:`jaxbundle.runners`: ``full`` or ``cascade``), sums the batches'
+:class:`jaxbundle.metrics.Counts` and collects the small per-example arrays on the host, then
+computes the figures and the report's model record (:mod:`jaxbundle.schema`).
+
+With several devices the batch axis is sharded over a ``jax.sharding.Mesh`` (params
+replicated); the answer is the same as on one device because every example draws its own
+randomness from ``fold_in(key, example_id)`` and metrics are sums. After
+``jax.distributed.initialize()`` the mesh spans every device of every process: each process
+makes the same call on the same data and the plan runs as one SPMD program over the global
+batch, whose outputs are replicated inside the program, so every process reads the whole
+result locally. No process ever runs an operation on a global array that the others do not
+(that would deadlock them): host state is numpy, and process 0 only writes files. With
+``checkpoint_dir``, the state after every batch is written atomically and a rerun resumes
+after the last finished batch with a bit-identical result (:mod:`jaxbundle.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, NamedTuple
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from jaxbundle import checkpoint
+from jaxbundle import checks as checks_lib
+from jaxbundle import data as data_lib
+from jaxbundle import judge
+from jaxbundle import norms
+from jaxbundle import runners
+from jaxbundle import sampling
+from jaxbundle import schema
+from jaxbundle.checkpoint import load_images  # noqa: F401  (the images a run wrote)
+from jaxbundle.metrics import Counts, Setting
+from jaxbundle.outputs import curve_metrics, kind_distortions, stochastic_metrics
+from jaxbundle.plan import Plan
+from jaxbundle.validation import check_inputs, goals_for
+
+__all__ = ["Evaluation", "default_mesh", "evaluate", "for_model", "load_images"]
+
+
+class Evaluation(NamedTuple):
+    """What :func:`evaluate` returns."""
+
+    metrics: dict  # the report's model record (jaxbundle.schema.MODEL_FIELDS)
+    per_example: dict[str, np.ndarray]  # arrays of length n_examples (schema.PER_EXAMPLE)
+    attack_names: tuple[str, ...]
+    # The first fooled examples: ``example_id``, ``x_clean`` and ``x_adv`` (the report's figure).
+    gallery: dict[str, np.ndarray] | None = None
+
+
+def default_mesh() -> Mesh | None:
+    """A 1-D ``("batch",)`` mesh over all devices of all processes, or ``None`` for one device."""
+    devices = jax.devices()
+    if len(devices) == 1:
+        return None
+    return Mesh(np.asarray(devices), ("batch",))
+
+
+def for_model(plan: Plan, apply_fn: Callable) -> tuple[Callable, tuple]:
+    """The model and the attacks the plan runs on it: a stochastic model judged with the plan's
+    ``judge_calls`` / ``success_threshold`` (its own where None) and attacked with ``eot``
+    samples per call; a deterministic one as it is (the plan's stochastic fields must then be
+    unset: :meth:`Plan.check`)."""
+    plan.check(apply_fn)
+    attacks = plan.attack_values()
+    if not sampling.is_stochastic(apply_fn):
+        return apply_fn, attacks
+    model = sampling.stochastic(
+        apply_fn.apply_fn,
+        calls=apply_fn.calls if plan.judge_calls is None else plan.judge_calls,
+        threshold=apply_fn.threshold if plan.success_threshold is None
+        else plan.success_threshold,
+    )
+    return model, sampling.with_eot(attacks, plan.eot)
+
+
+def _as_source(data: Any, plan: Plan, apply_fn: Callable, params: Any) -> data_lib.Source:
+    """``data`` as a source: a :class:`jaxbundle.data.Source` as it is, ``(x, y)`` arrays
+    checked whole first (images float in [0, 1], integer labels), a name for
+    :func:`jaxbundle.data.open_source`."""
+    if isinstance(data, str):
+        return data_lib.open_source(data)
+    if isinstance(data, tuple) and len(data) == 2:
+        x, y = np.asarray(data[0]), np.asarray(data[1])
+        if x.ndim == 0 or int(x.shape[0]) == 0:
+            raise ValueError("the dataset is empty")
+        check_inputs(apply_fn, params, x, y, plan.eps, judging=plan.judging)
+        return data_lib.ArraySource(x, y)
+    if isinstance(data, data_lib.Source):
+        return data
+    raise TypeError(f"data must be (x, y) arrays, a jaxbundle.data Source or a source name, "
+                    f"got {type(data).__name__}")
+
+
+def _stored_on_grid(source: data_lib.Source, judging: str) -> bool:
+    """Whether every clean image is on the 8-bit grid and judged there (then x_adv is uint8)."""
+    if judging == "float":
+        return False
+    if np.dtype(source.dtype) == np.uint8:
+        return True
+    if isinstance(source, data_lib.ArraySource):
+        return bool(np.all(norms.on_grid(np.asarray(source.x, np.float32))))
+    return False
+
+
+def _local_rows_match(sharding: NamedSharding, batch_size: int, shape: tuple[int, ...]) -> None:
+    """The rows of a global batch this process's devices hold must be its ``p``-th slice."""
+    p, count = jax.process_index(), jax.process_count()
+    rows = sorted(
+        r
+        for index in sharding.addressable_devices_indices_map((batch_size, *shape)).values()
+        for r in range(*index[0].indices(batch_size))
+    )
+    per = batch_size // count
+    if sorted(set(rows)) != list(range(p * per, (p + 1) * per)):
+        raise ValueError(
+            "the mesh must list each process's devices together and in process order (as "
+            "jax.devices() does), so that each process feeds a contiguous slice of the batch"
+        )
+
+
+class _Run(NamedTuple):
+    """One evaluation: the plan (its batch size as run), the model as attacked, the data and
+    how batches are placed."""
+
+    plan: Plan
+    model: runners.Model
+    source: data_lib.Source
+    sharding: NamedSharding | None
+    process: tuple[int, int]  # (this process, process count) feeding the mesh
+
+    @property
+    def n(self) -> int:
+        return len(self.source)
+
+    @property
+    def setting(self) -> Setting:
+        """What the metrics know of the run."""
+        return Setting.of(self.model.attacks, self.model.goal_names)
+
+
+def _start(apply_fn, params, source, plan, mesh) -> _Run:
+    """The run of ``plan`` on ``source``: the model adapted, the batch size as run (at most the
+    dataset without a mesh), params replicated over the mesh."""
+    apply_fn, attacks = for_model(plan, apply_fn)
+    if len(source) == 0:
+        raise ValueError(f"the dataset {source.name} is empty")
+    if mesh == "auto":
+        mesh = default_mesh()
+    sharding = None
+    if mesh is None:
+        plan = plan.replace(batch_size=min(plan.batch_size, len(source)))
+    else:
+        devices = mesh.devices.size
+        if plan.batch_size % devices:
+            raise ValueError(f"batch_size {plan.batch_size} must be a multiple of {devices} "
+                             "devices")
+        sharding = NamedSharding(mesh, PartitionSpec("batch"))
+        _local_rows_match(sharding, plan.batch_size, source.shape)
+        params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+    model = runners.Model(apply_fn, params, attacks, goals_for(plan.goals, attacks),
+                          jax.random.key(plan.seed), mesh)
+    process = (jax.process_index(), jax.process_count()) if mesh is not None else (0, 1)
+    return _Run(plan, model, source, sharding, process)
+
+
+def evaluate(
+    apply_fn: Callable[[Any, jax.Array], jax.Array],
+    params: Any,
+    data: Any,
+    plan: Plan,
+    *,
+    mesh: Mesh | None | str = "auto",
+    checkpoint_dir: str | None = None,
+    images_dir: str | None = None,
+    keep_images: bool | None = None,
+    gallery: int = 8,
+    progress: Callable[[int, int], None] | None = None,
+) -> Evaluation:
+    """Evaluates a model under a plan: what ``jaxbundle evaluate`` runs for each model.
+
+    Host memory holds a batch at a time plus the small per-example arrays (a few numbers per
+    example and attack); the adversarial images go to ``images_dir`` as they are made.
+
+    Args:
+      apply_fn: ``apply_fn(params, x) -> logits`` for images ``[B, H, W, C]`` in [0, 1], or a
+        stochastic model (:func:`jaxbundle.stochastic`).
+      params: model parameters (a jit argument).
+      data: ``(x, y)`` arrays (images float in [0, 1], labels ``[N]``), a
+        :class:`jaxbundle.data.Source` (images uint8, or floats in [0, 1]), or a source name
+        (``mnist-sample``, ``npz:PATH``, ``tfds:NAME``).
+      plan: the :class:`jaxbundle.Plan` (e.g. ``jaxbundle.bundles.default("linf", 0.3)``).
+      mesh: ``"auto"`` (every device, of every process under ``jax.distributed``), ``None`` (no
+        sharding) or a 1-D ``Mesh`` whose axis is named ``"batch"``; the plan's batch size must
+        divide evenly over it. Each process reads only the rows its own devices take.
+      checkpoint_dir: save after every batch and resume from there on a rerun, in a new process
+        too (written by process 0; every process reads it); a changed plan, model or data is
+        refused.
+      images_dir: the judged adversarial images of batch ``b`` go to
+        ``images_dir/adversarial-{b:06d}.npz`` (``x_adv``, ``example_id``; by process 0).
+      keep_images: also return them all in ``per_example["x_adv"]`` (default: when the data is
+        in memory).
+      gallery: how many fooled examples :attr:`Evaluation.gallery` shows (the first ones).
+      progress: called as ``progress(batches_done, batches_total)``.
+
+    Returns:
+      An :class:`Evaluation`. Adversarial images are uint8 when every clean image is stored on
+      the 8-bit grid and judged there, else float32 (the judged images exactly).
+    """
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a jaxbundle.Plan (e.g. jaxbundle.bundles.default(norm, "
+                        f"eps)), got {type(plan).__name__}")
+    plan.check()
+    source = _as_source(data, plan, apply_fn, params)
+    run = _start(apply_fn, params, source, plan, mesh)
+    if keep_images is None:
+        keep_images = bool(getattr(source, "in_memory", False))
+    uint8_images = _stored_on_grid(source, plan.judging)
+    state = _empty_state(run, uint8_images)
+    ckpt_path = identity = None
+    for directory in (checkpoint_dir, images_dir):
+        if directory is not None:
+            os.makedirs(directory, exist_ok=True)
+    if checkpoint_dir is not None:
+        identity = _identity(run, apply_fn, params, keep_images)
+        ckpt_path = os.path.join(checkpoint_dir, "checkpoint.npz")
+        state = checkpoint.load(ckpt_path, identity, state)
+        if jax.process_count() > 1:
+            multihost_utils.assert_equal(
+                state.batches_done, f"processes resume from different batches: {ckpt_path} "
+                "must be on a file system that every process shares"
+            )
+    lead = jax.process_index() == 0
+    total = data_lib.num_batches(run.n, run.plan.batch_size)
+    model_checks = None  # they run on this process's rows of the first batch, unsharded params
+    for index in range(state.batches_done, total):
+        bx, batch = _read_batch(run, index, check_classes=index == state.batches_done)
+        if index == 0:
+            model_checks = checks_lib.model_checks(run.model.apply_fn, params, bx[:8],
+                                                   run.model.attacks)
+        counts, outputs, stage_counts = _attack_batch(run, index, bx, batch)
+        x_adv = outputs.pop("x_adv")
+        if uint8_images:
+            x_adv = np.round(x_adv * norms.PIXEL_LEVELS).astype(np.uint8)
+        if images_dir is not None and lead:
+            checkpoint.save_images(images_dir, index, x_adv, outputs["example_id"])
+        if keep_images:
+            outputs["x_adv"] = x_adv
+        state = _add_batch(state, counts, outputs, stage_counts, x_adv, gallery)
+        if ckpt_path is not None and lead:
+            checkpoint.save(ckpt_path, identity, state)
+        if progress is not None:
+            progress(index + 1, total)
+    if model_checks is None:  # resumed: the first batch came from the checkpoint
+        first = data_lib.local_batch(source, 0, run.plan.batch_size, *run.process)
+        model_checks = checks_lib.model_checks(run.model.apply_fn, params,
+                                               data_lib.to_unit_float(first.x)[:8],
+                                               run.model.attacks)
+    metrics, per_example = _results(run, state, model_checks)
+    return Evaluation(metrics=metrics, per_example=per_example,
+                      attack_names=tuple(a.name for a in run.model.attacks),
+                      gallery=_gallery(source, state))
+
+
+def _identity(run: _Run, apply_fn: Callable, params: Any, keep_images: bool) -> str:
+    """What a checkpoint must match to be resumed: the plan as run, every attack in full, the
+    data, the parameters and the counts' layout."""
+    return checkpoint.identity(
+        plan=run.plan.describe(), attacks=[checkpoint.describe(a) for a in run.model.attacks],
+        apply_fn=checkpoint.describe(run.model.apply_fn), model=checkpoint.params_digest(params),
+        data=run.source.describe(), n=run.n, images=keep_images,
+        counts=sorted(Counts.empty(run.setting).arrays()),
+    )
+
+
+def _empty_state(run: _Run, uint8_images: bool) -> checkpoint.State:
+    # Host-side state only (numpy): counts are summed here, never by eager ops on global arrays.
+    return checkpoint.State(
+        0, jax.tree.map(np.asarray, Counts.empty(run.setting)), {},
+        np.zeros((len(run.model.attacks), 4), np.int64),
+        (np.zeros(0, np.int32),
+         np.zeros((0, *run.source.shape), np.uint8 if uint8_images else np.float32)),
+    )
+
+
+def _gallery(source: data_lib.Source, state: checkpoint.State) -> dict[str, np.ndarray]:
+    ids, x_adv = state.gallery
+    clean = [data_lib.to_unit_float(source.read(int(i), int(i) + 1)[0]) for i in ids]
+    return {
+        "example_id": ids, "x_adv": x_adv,
+        "x_clean": np.concatenate(clean) if clean else np.zeros((0, *source.shape), np.float32),
+    }
+
+
+def _read_batch(run: _Run, index: int, check_classes: bool) -> tuple[np.ndarray, data_lib.Batch]:
+    """This process's rows of batch ``index`` as floats in [0, 1], checked (and, with
+    ``check_classes``, the model's class count against the data's)."""
+    batch = data_lib.local_batch(run.source, index, run.plan.batch_size, *run.process)
+    bx = data_lib.to_unit_float(batch.x)
+    classes = check_inputs(run.model.apply_fn, run.model.params, bx, batch.y, run.plan.eps,
+                           judging=run.plan.judging)
+    if check_classes and run.source.num_classes not in (None, classes):
+        raise ValueError(
+            f"the model has {classes} outputs but the data {run.source.name} has "
+            f"{run.source.num_classes} classes"
+        )
+    return bx, batch
+
+
+def _attack_batch(run: _Run, index: int, bx: np.ndarray, batch: data_lib.Batch):
+    """Batch ``index`` attacked by the plan's runner: its counts (numpy), its per-example
+    outputs on the real rows (numpy) and each stage's spending ``[A, 4]``."""
+    size = run.plan.batch_size
+    arrays = (bx, batch.y.astype(np.int32), batch.example_id, batch.mask)
+    if run.sharding is not None:
+        arrays = tuple(
+            jax.make_array_from_process_local_data(run.sharding, a, (size, *a.shape[1:]))
+            for a in arrays
+        )
+    real = np.arange(index * size, (index + 1) * size) < run.n
+    counts, outputs, stage_counts = runners.runner(run.plan).run(
+        run.plan, run.model, runners.Batch(*arrays, real))
+    # Every output is replicated: each process reads its own full copy.
+    outputs = {k: np.asarray(v)[real] for k, v in outputs.items()}
+    return jax.tree.map(np.asarray, counts), outputs, stage_counts
+
+
+def _fooled(outputs: dict[str, np.ndarray]) -> np.ndarray:
+    """Indices of correctly classified examples that an attack fooled."""
+    ok = outputs["clean_prediction"] == outputs["label"]
+    return np.flatnonzero(ok & outputs["success"])
+
+
+def _add_batch(state: checkpoint.State, counts: Counts, outputs: dict[str, np.ndarray],
+               stage_counts: np.ndarray, x_adv: np.ndarray, gallery: int) -> checkpoint.State:
+    """The state after one more batch: counts summed, outputs appended, the gallery filled
+    up to ``gallery`` fooled examples."""
+    shown = _fooled(outputs)[: gallery - len(state.gallery[0])]
+    return checkpoint.State(
+        state.batches_done + 1,
+        state.counts.merge(counts),
+        {k: state.chunks.get(k, []) + [v] for k, v in outputs.items()},
+        state.stages + stage_counts,
+        (np.concatenate([state.gallery[0], outputs["example_id"][shown]]),
+         np.concatenate([state.gallery[1], x_adv[shown]]) if shown.size else state.gallery[1]),
+    )
+
+
+def _results(run: _Run, state: checkpoint.State, model_checks: Any) -> tuple[dict, dict]:
+    """The model record (:func:`jaxbundle.schema.model_record`) and the per-example arrays of a
+    finished evaluation."""
+    plan, attacks, n = run.plan, run.model.attacks, run.n
+    per_example = {k: np.concatenate(v) for k, v in state.chunks.items()}
+    per_example.pop("example_id")
+    figures = state.counts.compute(run.setting)
+    on_grid = figures.pop("grid_judged")
+    figures["judging"] = {
+        "mode": plan.judging, "grid_examples": on_grid, "float_examples": n - on_grid,
+        "grid_radius": norms.grid_radius(plan.eps, plan.norm),
+        "statement": judge.statement(plan.judging, plan.eps, plan.norm, on_grid, n),
+    }
+    figures["data"] = {"name": run.source.name, "n": n}
+    per_example["check_flags"] = checks_lib.example_flags(per_example, attacks)
+    figures["checks"] = checks_lib.summarise(
+        model_checks, per_example["check_flags"], attacks,
+        int(np.sum(per_example["clean_prediction"] == per_example["label"])),
+    )
+    figures["check_flag_names"] = list(checks_lib.FLAG_NAMES)
+    if sampling.is_stochastic(run.model.apply_fn):
+        figures["stochastic"] = stochastic_metrics(run.model.apply_fn, attacks, per_example)
+    per_example.update(kind_distortions(per_example, attacks))
+    figures.update(curve_metrics(per_example, attacks, plan.norm))
+    figures.update(runners.runner(plan).figures(plan, figures, per_example, attacks,
+                                                state.stages))
+    return schema.model_record(plan, figures), per_example
