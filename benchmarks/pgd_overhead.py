@@ -175,7 +175,7 @@ def _traced_patched(fn: Callable[[], Any]) -> Callable[[], Any]:
     return run
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--n", type=int, nargs="+", default=[64])
     p.add_argument("--repeats", type=int, default=7)
@@ -191,8 +191,92 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=pathlib.Path,
                    default=(pathlib.Path(__file__).resolve().parent / "results"
                             / "pgd_overhead.json"))
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
 
+
+def _patched_variants(args, attack, canon, params, x, y, key, xr, logits):
+    """The ``*_patchednorm`` variants (``--patch-linf-norm``): traced with the patched norm."""
+    v: dict[str, Callable[[], Any]] = {}
+
+    # New function objects, so that jit traces (and caches) these separately.
+    def apply_patched(p_, x_):
+        return canon(p_, x_)
+
+    prog = make_pgd_program(apply_patched, attack, fold=True, unroll=1, loop="scan")
+    v["S_pgd_fold_patchednorm"] = _traced_patched(lambda: prog(params, x, y, key))
+    v["bundle_unroll=1_patchednorm"] = _traced_patched(
+        make_bundle_call(attack, apply_patched, params, x, y, key, unroll=1)
+    )
+    many_p, _, scores_p, _ = make_fold_only(x, y, logits, args.steps)
+    v[f"fold_x{args.steps}_only_patchednorm"] = _traced_patched(lambda: many_p(xr, logits))
+    v[f"score_x{args.steps}_only_patchednorm"] = _traced_patched(
+        lambda: scores_p(xr, logits))
+    return v
+
+
+def _variants(args, attack, apply_fn, canon, params, x, y, key) -> dict[str, Callable[[], Any]]:
+    """The section's variants, each adding one piece of the bundler's program (see the module
+    docstring), less those ``--only`` leaves out."""
+    floors = make_floors(apply_fn, params, x, y, args.steps)
+    v: dict[str, Callable[[], Any]] = {
+        "floor_b_unrolled": floors["floor_b_unrolled"],
+        "floor_a_chain": floors["floor_a_chain"],
+    }
+    for name, fn, fold, unroll, loop in [
+        ("U_pgd", apply_fn, False, True, "python"),
+        ("U_pgd_fold", apply_fn, True, True, "python"),
+        ("S_pgd", canon, False, 1, "scan"),
+        ("S_pgd_fold", canon, True, 1, "scan"),
+    ]:
+        prog = make_pgd_program(fn, attack, fold=fold, unroll=unroll, loop=loop)
+        v[name] = lambda prog=prog: prog(params, x, y, key)
+    v["bundle_unroll=True"] = make_bundle_call(attack, apply_fn, params, x, y, key, unroll=True)
+    v["bundle_unroll=1"] = make_bundle_call(attack, canon, params, x, y, key, unroll=1)
+    logits = apply_fn(params, x)
+    xr = jnp.clip(x + 0.1, 0.0, 1.0)
+    many, dispatched, scores_only, where_only = make_fold_only(x, y, logits, args.steps)
+    v[f"fold_x{args.steps}_only"] = lambda: many(xr, logits)
+    v[f"fold_x{args.steps}_dispatched"] = lambda: dispatched(xr, logits)
+    v[f"score_x{args.steps}_only"] = lambda: scores_only(xr, logits)
+    v[f"image_where_x{args.steps}_only"] = lambda: where_only(xr, logits)
+    if args.patch_linf_norm:
+        v.update(_patched_variants(args, attack, canon, params, x, y, key, xr, logits))
+    if args.only:
+        v = {k: f for k, f in v.items()
+             if k.startswith("floor_") or any(s in k for s in args.only)}
+    return v
+
+
+def _section(n: int, res: dict[str, Any]) -> dict[str, Any]:
+    """One N's floor and each variant's times and ratios to it."""
+    loads = res.pop("_load_avg_per_round")
+    floor = min(res["floor_b_unrolled"]["median_s"], res["floor_a_chain"]["median_s"])
+    floor_min = min(res["floor_b_unrolled"]["min_s"], res["floor_a_chain"]["min_s"])
+    return {
+        "n": n,
+        "floor_s": floor,
+        "floor_min_s": floor_min,
+        "load_avg_per_round": loads,
+        "variants": {
+            k: {"median_s": r["median_s"], "min_s": r["min_s"], "compile_s": r["compile_s"],
+                "ratio_to_floor": r["median_s"] / floor,
+                "ratio_min_to_floor_min": r["min_s"] / floor_min, "times_s": r["times_s"]}
+            for k, r in res.items()
+        },
+    }
+
+
+def _print_section(sec: dict[str, Any], flags: Any) -> None:
+    print(f"\n== N={sec['n']}, floor {sec['floor_s'] * 1e3:.1f} ms (XLA_FLAGS={flags}) ==")
+    for k, r in sec["variants"].items():
+        print(f"{k:26s} median {r['median_s'] * 1e3:9.1f} ms  "
+              f"ratio {r['ratio_to_floor']:5.2f}  "
+              f"min {r['min_s'] * 1e3:9.1f} ms  ratio(min) {r['ratio_min_to_floor_min']:5.2f}  "
+              f"compile {r['compile_s']:6.1f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
     module = SmallCNN()
     params = module.init(jax.random.PRNGKey(0), jnp.zeros((1, 28, 28, 1), jnp.float32))
     apply_fn = module.apply
@@ -214,69 +298,10 @@ def main(argv: list[str] | None = None) -> int:
         ds = load_mnist_sample("test", n=n)
         x, y = jnp.asarray(ds.x), jnp.asarray(ds.y)
         key = jax.random.PRNGKey(1)
-        floors = make_floors(apply_fn, params, x, y, args.steps)
-        v: dict[str, Callable[[], Any]] = {
-            "floor_b_unrolled": floors["floor_b_unrolled"],
-            "floor_a_chain": floors["floor_a_chain"],
-        }
-        for name, fn, fold, unroll, loop in [
-            ("U_pgd", apply_fn, False, True, "python"),
-            ("U_pgd_fold", apply_fn, True, True, "python"),
-            ("S_pgd", canon, False, 1, "scan"),
-            ("S_pgd_fold", canon, True, 1, "scan"),
-        ]:
-            prog = make_pgd_program(fn, attack, fold=fold, unroll=unroll, loop=loop)
-            v[name] = lambda prog=prog: prog(params, x, y, key)
-        v["bundle_unroll=True"] = make_bundle_call(attack, apply_fn, params, x, y, key, unroll=True)
-        v["bundle_unroll=1"] = make_bundle_call(attack, canon, params, x, y, key, unroll=1)
-        logits = apply_fn(params, x)
-        xr = jnp.clip(x + 0.1, 0.0, 1.0)
-        many, dispatched, scores_only, where_only = make_fold_only(x, y, logits, args.steps)
-        v[f"fold_x{args.steps}_only"] = lambda: many(xr, logits)
-        v[f"fold_x{args.steps}_dispatched"] = lambda: dispatched(xr, logits)
-        v[f"score_x{args.steps}_only"] = lambda: scores_only(xr, logits)
-        v[f"image_where_x{args.steps}_only"] = lambda: where_only(xr, logits)
-        if args.patch_linf_norm:
-            # New function objects, so that jit traces (and caches) these separately.
-            def apply_patched(p_, x_):
-                return canon(p_, x_)
-
-            prog = make_pgd_program(apply_patched, attack, fold=True, unroll=1, loop="scan")
-            v["S_pgd_fold_patchednorm"] = _traced_patched(lambda: prog(params, x, y, key))
-            v["bundle_unroll=1_patchednorm"] = _traced_patched(
-                make_bundle_call(attack, apply_patched, params, x, y, key, unroll=1)
-            )
-            many_p, _, scores_p, _ = make_fold_only(x, y, logits, args.steps)
-            v[f"fold_x{args.steps}_only_patchednorm"] = _traced_patched(lambda: many_p(xr, logits))
-            v[f"score_x{args.steps}_only_patchednorm"] = _traced_patched(
-                lambda: scores_p(xr, logits))
-        if args.only:
-            v = {k: f for k, f in v.items()
-                 if k.startswith("floor_") or any(s in k for s in args.only)}
-        res = run_interleaved(v, args.repeats, f"overhead N={n}")
-        loads = res.pop("_load_avg_per_round")
-        floor = min(res["floor_b_unrolled"]["median_s"], res["floor_a_chain"]["median_s"])
-        floor_min = min(res["floor_b_unrolled"]["min_s"], res["floor_a_chain"]["min_s"])
-        sec = {
-            "n": n,
-            "floor_s": floor,
-            "floor_min_s": floor_min,
-            "load_avg_per_round": loads,
-            "variants": {
-                k: {"median_s": r["median_s"], "min_s": r["min_s"], "compile_s": r["compile_s"],
-                    "ratio_to_floor": r["median_s"] / floor,
-                    "ratio_min_to_floor_min": r["min_s"] / floor_min, "times_s": r["times_s"]}
-                for k, r in res.items()
-            },
-        }
+        v = _variants(args, attack, apply_fn, canon, params, x, y, key)
+        sec = _section(n, run_interleaved(v, args.repeats, f"overhead N={n}"))
         results["sections"][str(n)] = sec
-        flags = results['machine']['xla_flags']
-        print(f"\n== N={n}, floor {floor * 1e3:.1f} ms (XLA_FLAGS={flags}) ==")
-        for k, r in sec["variants"].items():
-            print(f"{k:26s} median {r['median_s'] * 1e3:9.1f} ms  "
-                  f"ratio {r['ratio_to_floor']:5.2f}  "
-                  f"min {r['min_s'] * 1e3:9.1f} ms  ratio(min) {r['ratio_min_to_floor_min']:5.2f}  "
-                  f"compile {r['compile_s']:6.1f} s")
+        _print_section(sec, results['machine']['xla_flags'])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
     print(f"wrote {args.out}")

@@ -58,7 +58,6 @@ import argparse
 import functools
 import json
 import pathlib
-import re
 import sys
 import time
 from typing import Any, Callable
@@ -66,12 +65,24 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from jaxbundle import bundler, losses
+from jaxbundle import bundler
 from jaxbundle.attacks import pgd
 from jaxbundle.attacks.base import per_example_keys
 from jaxbundle.data import load_mnist_sample
-from jaxbundle.models import SmallCNN, _conv_forward, conv_same
+from jaxbundle.models import SmallCNN
 
+from conv_twins import (  # noqa: F401  (re-exported: pgd_speed.<name> as before)
+    _CONV_S2,
+    _COMP_RE,
+    _plain_conv_s2,
+    _small_cnn_apply,
+    alternative_model,
+    conv_layout_report,
+    grad_is_canonical_in_loops,
+    max_abs_diff_apply,
+    small_cnn_apply_canonical_grad,
+    small_cnn_apply_jax_conv,
+)
 from harness import (
     EPS, NORM, STEP_SIZE, loadavg, machine_facts, make_floors, model_description, run_interleaved,
 )
@@ -210,100 +221,6 @@ def make_stripped(attack, apply_fn, params, x, y, key, unroll) -> Callable[[], A
 
 
 # ----------------------------------------------------------------------------------------
-# Diagnostic twins of SmallCNN: the same function, the other kind of input-gradient conv
-# ----------------------------------------------------------------------------------------
-
-
-def _CONV_S2(x, k):
-    """The library's canonical-gradient convolution (``jaxbundle.models.conv_same``)."""
-    return conv_same(x, k, 2)
-
-
-def _plain_conv_s2(x, k):
-    """What ``flax.linen.Conv(padding="SAME", strides=2)`` computes, with JAX's own gradient."""
-    return _conv_forward(x, k, 2)
-
-
-def _small_cnn_apply(conv, variables, x):
-    p = variables["params"]
-    h = jax.nn.relu(conv(x, p["conv1"]["kernel"]) + p["conv1"]["bias"])
-    h = jax.nn.relu(conv(h, p["conv2"]["kernel"]) + p["conv2"]["bias"])
-    h = h.reshape(h.shape[0], -1)
-    h = jax.nn.relu(h @ p["hidden"]["kernel"] + p["hidden"]["bias"])
-    return h @ p["logits"]["kernel"] + p["logits"]["bias"]
-
-
-def small_cnn_apply_canonical_grad(variables, x):
-    """SmallCNN's function (same params, same numbers) whose input gradient is canonical."""
-    return _small_cnn_apply(_CONV_S2, variables, x)
-
-
-def small_cnn_apply_jax_conv(variables, x):
-    """SmallCNN's function written as a flax ``nn.Conv`` model computes it (JAX's gradient)."""
-    return _small_cnn_apply(_plain_conv_s2, variables, x)
-
-
-def grad_is_canonical_in_loops(apply_fn, params, x, y) -> bool:
-    """Whether every convolution of ``apply_fn``'s input gradient inside a loop is canonical."""
-    def total(xa):
-        return jnp.sum(losses.cross_entropy(apply_fn(params, xa), y))
-
-    def loop(xa):
-        return jax.lax.fori_loop(0, 2, lambda i, v: v + 1e-6 * jnp.sign(jax.grad(total)(v)), xa)
-
-    report = conv_layout_report(jax.jit(loop).lower(x).compile().as_text())
-    return report["non_canonical_kernel"] == 0
-
-
-def alternative_model(apply_fn, params, x, y):
-    """The diagnostic twin of the benchmarked model: the other kind of input gradient.
-
-    If ``jaxbundle.models.SmallCNN``'s gradient is canonical inside loops (its own
-    ``custom_vjp`` convolution), the twin is the plain ``nn.Conv`` formulation, which shows
-    what a user's flax model gets; otherwise the twin is the canonical-gradient one, which
-    shows what the loops cost without XLA:CPU's slow path. Returns ``(label, apply_fn)``.
-    """
-    if grad_is_canonical_in_loops(apply_fn, params, x, y):
-        return "jaxconv", small_cnn_apply_jax_conv
-    return "canonconv", small_cnn_apply_canonical_grad
-
-
-def max_abs_diff_apply(apply_fn, other_fn, params, x, y) -> float:
-    """Max abs difference of logits and input gradients between two apply functions."""
-    def g(f):
-        return jax.grad(lambda xa: jnp.sum(losses.cross_entropy(f(params, xa), y)))(x)
-
-    d1 = jnp.max(jnp.abs(apply_fn(params, x) - other_fn(params, x)))
-    d2 = jnp.max(jnp.abs(g(apply_fn) - g(other_fn)))
-    return float(max(d1, d2))
-
-
-# ----------------------------------------------------------------------------------------
-# Diagnostics: convolutions inside while-loop bodies
-# ----------------------------------------------------------------------------------------
-
-_COMP_RE = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) ", re.M)
-
-
-def conv_layout_report(compiled_text: str) -> dict[str, int]:
-    """Counts the convolutions of a compiled CPU module, and those whose kernel is not HWIO.
-
-    XLA:CPU calls Eigen's fast convolution only for canonical dimension numbers (input NHWC,
-    kernel HWIO = ``01io``, output NHWC); its ConvCanonicalization pass inserts transposes to
-    get there but only walks the *entry* computation, so a non-canonical convolution inside a
-    while body (``lax.scan`` / ``fori_loop`` / ``lax.map``) stays on the slow naive emitter.
-    The input-gradient convolution that JAX emits for ``conv_general_dilated`` has a ``01oi``
-    kernel.
-    """
-    convs = re.findall(r"convolution\(.*?dim_labels=([\w>-]+)", compiled_text)
-    return {
-        "convolutions": len(convs),
-        "non_canonical_kernel": sum("_01io->" not in d for d in convs),
-        "while_loops": compiled_text.count(" while("),
-    }
-
-
-# ----------------------------------------------------------------------------------------
 # Main
 # ----------------------------------------------------------------------------------------
 
@@ -324,12 +241,10 @@ def _summary(res: dict[str, Any], floor: float, floor_min: float) -> dict[str, A
     }
 
 
-def bench_single(n, args, apply_fn, params, steps) -> dict[str, Any]:
-    ds = load_mnist_sample("test", n=n)
-    x, y = jnp.asarray(ds.x), jnp.asarray(ds.y)
-    key = jax.random.PRNGKey(1)
-    attack = pgd(norm=NORM, loss="ce", steps=steps, step_size=STEP_SIZE, random_start=True)
-
+def _single_variants(args, attack, apply_fn, params, x, y, key, steps):
+    """The variants of the single-restart section (floors, ``bundle`` at each unroll, the
+    python-driven and stripped copies, the pieces, the twin's diagnostics) and the twin: the
+    ``(label, apply_fn)`` of :func:`alternative_model`, or None without ``args.twin``."""
     variants: dict[str, Callable[[], Any]] = {}
     variants.update(make_floors(apply_fn, params, x, y, steps))
     for u in args.unrolls:
@@ -344,16 +259,21 @@ def bench_single(n, args, apply_fn, params, steps) -> dict[str, Any]:
                                                                 key, u)
     if args.pieces:
         variants.update(pieces)
-    if args.twin:
-        twin_label, twin = alternative_model(apply_fn, params, x, y)
+    twin = alternative_model(apply_fn, params, x, y) if args.twin else None
+    if twin is not None:
+        twin_label, twin_fn = twin
         variants[f"diag_floor_c_fori_{twin_label}"] = make_floors(
-            twin, params, x, y, steps)["floor_c_fori"]
+            twin_fn, params, x, y, steps)["floor_c_fori"]
         for u in (1, True):
             variants[f"diag_bundle_unroll={u}_{twin_label}"] = make_bundle_call(
-                attack, twin, params, x, y, key, unroll=u
+                attack, twin_fn, params, x, y, key, unroll=u
             )
+    return variants, twin
 
-    res = run_interleaved(variants, args.repeats, f"N={n}")
+
+def _single_section(n, steps, res) -> dict[str, Any]:
+    """The section's floors, summaries and library ratios from :func:`run_interleaved`'s
+    ``res``."""
     loads = res.pop("_load_avg_per_round")
     floors = {k: v for k, v in res.items() if k.startswith("floor_")}
     best_floor_name = min(floors, key=lambda k: floors[k]["median_s"])
@@ -378,38 +298,59 @@ def bench_single(n, args, apply_fn, params, steps) -> dict[str, Any]:
     tgt = TARGET.get(n)
     out["target_ratio"] = tgt
     out["meets_target"] = None if tgt is None else bool(out["best_library_ratio"] <= tgt)
+    return out
 
-    # Sanity: the python-driven copy does the same computation as bundle().
-    r_lib = variants[f"bundle_unroll={args.unrolls[0]}"]()
+
+def _python_driven_check(variants, unroll) -> dict[str, Any]:
+    """Sanity: the python-driven copy does the same computation as bundle()."""
+    r_lib = variants[f"bundle_unroll={unroll}"]()
     r_py = variants["python_driven"]()
-    out["python_driven_max_abs_diff_vs_bundle"] = float(
-        jnp.max(jnp.abs(r_lib.best["misclassify"].x - r_py["misclassify"].x))
-    )
-    out["python_driven_same_success"] = bool(
-        jnp.all(r_lib.best["misclassify"].score.misclassified
-                == r_py["misclassify"].score.misclassified)
-    )
+    return {
+        "python_driven_max_abs_diff_vs_bundle": float(
+            jnp.max(jnp.abs(r_lib.best["misclassify"].x - r_py["misclassify"].x))
+        ),
+        "python_driven_same_success": bool(
+            jnp.all(r_lib.best["misclassify"].score.misclassified
+                    == r_py["misclassify"].score.misclassified)
+        ),
+    }
 
-    if args.twin:
-        out["twin_model"] = twin_label
-        out["twin_max_abs_diff"] = max_abs_diff_apply(apply_fn, twin, params, x, y)
+
+def _hlo_report(args, attack, apply_fn, params, x, y, key, n, twin) -> dict[str, Any]:
+    """:func:`conv_layout_report` of ``bundle``'s compiled program at each unroll (and of the
+    twin's at unroll 1)."""
+    diag = {}
+    ids = jnp.arange(n, dtype=jnp.int32)
+    for u in args.unrolls:
+        c = bundler._bundle.lower(
+            params, x, y, key, ids, EPS, apply_fn=apply_fn, attacks=(attack,), goal_names=GOALS,
+            norm=NORM, judging="auto", unroll=u, restart_mode="vmap",
+        ).compile()
+        diag[f"bundle_unroll={u}"] = conv_layout_report(c.as_text())
+    if twin is not None:
+        twin_label, twin_fn = twin
+        c = bundler._bundle.lower(
+            params, x, y, key, ids, EPS, apply_fn=twin_fn,
+            attacks=(attack,), goal_names=GOALS, norm=NORM, judging="auto", unroll=1,
+            restart_mode="vmap",
+        ).compile()
+        diag[f"diag_bundle_unroll=1_{twin_label}"] = conv_layout_report(c.as_text())
+    return diag
+
+
+def bench_single(n, args, apply_fn, params, steps) -> dict[str, Any]:
+    ds = load_mnist_sample("test", n=n)
+    x, y = jnp.asarray(ds.x), jnp.asarray(ds.y)
+    key = jax.random.PRNGKey(1)
+    attack = pgd(norm=NORM, loss="ce", steps=steps, step_size=STEP_SIZE, random_start=True)
+    variants, twin = _single_variants(args, attack, apply_fn, params, x, y, key, steps)
+    out = _single_section(n, steps, run_interleaved(variants, args.repeats, f"N={n}"))
+    out.update(_python_driven_check(variants, args.unrolls[0]))
+    if twin is not None:
+        out["twin_model"] = twin[0]
+        out["twin_max_abs_diff"] = max_abs_diff_apply(apply_fn, twin[1], params, x, y)
     if args.hlo:
-        diag = {}
-        ids = jnp.arange(n, dtype=jnp.int32)
-        for u in args.unrolls:
-            c = bundler._bundle.lower(
-                params, x, y, key, ids, EPS, apply_fn=apply_fn, attacks=(attack,), goal_names=GOALS,
-                norm=NORM, judging="auto", unroll=u, restart_mode="vmap",
-            ).compile()
-            diag[f"bundle_unroll={u}"] = conv_layout_report(c.as_text())
-        if args.twin:
-            c = bundler._bundle.lower(
-                params, x, y, key, ids, EPS, apply_fn=twin,
-                attacks=(attack,), goal_names=GOALS, norm=NORM, judging="auto", unroll=1,
-                restart_mode="vmap",
-            ).compile()
-            diag[f"diag_bundle_unroll=1_{twin_label}"] = conv_layout_report(c.as_text())
-        out["hlo"] = diag
+        out["hlo"] = _hlo_report(args, attack, apply_fn, params, x, y, key, n, twin)
     return out
 
 
@@ -507,7 +448,8 @@ def _unroll_arg(s: str) -> int | bool:
     return int(s)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """The command line, with ``--quick``'s settings and the defaults filled in."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--n", type=int, nargs="+", default=None, help="batch sizes (default 512 64)")
     p.add_argument("--repeats", type=int, default=None, help="timed rounds per section (default 7)")
@@ -551,6 +493,29 @@ def main(argv: list[str] | None = None) -> int:
     args.restart_repeats = args.restart_repeats or (args.repeats if args.quick else 5)
     args.steps = args.steps or 40
     args.restart_n = args.restart_n or 512
+    return args
+
+
+def _print_summary(results: dict[str, Any]) -> None:
+    """The summary lines: each section's best floor and library ratios, and the wall time."""
+    print()
+    print("== summary ==")
+    for n, sec in results["single"].items():
+        print(
+            f"N={n}: best floor {sec['best_floor']} {sec['best_floor_s'] * 1e3:.1f} ms; "
+            f"best library {sec['best_library_variant']} ratio {sec['best_library_ratio']:.2f} "
+            f"(target {sec['target_ratio']}, met: {sec['meets_target']}); "
+            f"default unroll=1 ratio {sec['default_library_ratio']}"
+        )
+    if "restarts" in results:
+        sec = results["restarts"]
+        print(f"restarts N={sec['n']}: best {sec['best_library_variant']} "
+              f"ratio {sec['best_library_ratio']:.2f}")
+    print(f"wall {results['wall_s']:.0f} s")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
 
     t_start = time.perf_counter()
     facts = machine_facts()
@@ -596,20 +561,7 @@ def main(argv: list[str] | None = None) -> int:
 
     results["machine"]["load_avg_end"] = loadavg()
     results["wall_s"] = time.perf_counter() - t_start
-    print()
-    print("== summary ==")
-    for n, sec in results["single"].items():
-        print(
-            f"N={n}: best floor {sec['best_floor']} {sec['best_floor_s'] * 1e3:.1f} ms; "
-            f"best library {sec['best_library_variant']} ratio {sec['best_library_ratio']:.2f} "
-            f"(target {sec['target_ratio']}, met: {sec['meets_target']}); "
-            f"default unroll=1 ratio {sec['default_library_ratio']}"
-        )
-    if "restarts" in results:
-        sec = results["restarts"]
-        print(f"restarts N={sec['n']}: best {sec['best_library_variant']} "
-              f"ratio {sec['best_library_ratio']:.2f}")
-    print(f"wall {results['wall_s']:.0f} s")
+    _print_summary(results)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))
     print(f"wrote {args.out}")

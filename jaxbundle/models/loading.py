@@ -193,20 +193,31 @@ def check_model(
     declared = is_stochastic(apply_fn)
     apply_fn = sampling.fixed(apply_fn)  # a declared stochastic model: one fixed key per image
     expected = f"[{batch}, {num_classes if num_classes is not None else 'K'}]"
+    logits = _jitted_run(apply_fn, params, x, where, expected)
+    logits = _checked_logits(logits, batch, num_classes, where, expected)
+    _check_repeatable(logits, _jitted_run(apply_fn, params, x, where, expected), declared, where)
+    return int(logits.shape[1])
 
-    def run() -> np.ndarray:
-        try:
-            out = jax.jit(lambda p, images: apply_fn(p, images))(params, x)  # a fresh trace
-        except Exception as e:
-            raise ValueError(
-                f"{where} fails under jax.jit on images of shape {list(x.shape)} float32: "
-                f"{_one_line(e)}"
-            ) from e
-        if not hasattr(out, "shape") or not hasattr(out, "dtype"):
-            raise ValueError(f"{where} returned {_describe(out)}, expected logits {expected}")
-        return np.asarray(out)
 
-    logits = run()
+def _jitted_run(apply_fn: ApplyFn, params: Params, x: jax.Array, where: str,
+                expected: str) -> np.ndarray:
+    """``apply_fn(params, x)`` under a fresh ``jax.jit`` trace, as a numpy array."""
+    try:
+        out = jax.jit(lambda p, images: apply_fn(p, images))(params, x)  # a fresh trace
+    except Exception as e:
+        raise ValueError(
+            f"{where} fails under jax.jit on images of shape {list(x.shape)} float32: "
+            f"{_one_line(e)}"
+        ) from e
+    if not hasattr(out, "shape") or not hasattr(out, "dtype"):
+        raise ValueError(f"{where} returned {_describe(out)}, expected logits {expected}")
+    return np.asarray(out)
+
+
+def _checked_logits(logits: np.ndarray, batch: int, num_classes: int | None, where: str,
+                    expected: str) -> np.ndarray:
+    """The first run's logits as float64 once they are a finite floating ``[batch, K]`` array
+    with ``K >= 2`` (and ``K == num_classes`` if given), else ``ValueError``."""
     if logits.ndim != 2 or logits.shape[0] != batch:
         raise ValueError(
             f"{where} gives logits of shape {list(logits.shape)} for {batch} images, "
@@ -229,7 +240,12 @@ def check_model(
             f"{where} gives non-finite logits (NaN or inf) for {int((~finite).sum())} of {batch} "
             "sample images"
         )
-    again = run()
+    return logits
+
+
+def _check_repeatable(logits: np.ndarray, again: np.ndarray, declared: bool, where: str) -> None:
+    """``ValueError`` unless the second run's logits ``again`` agree with the first ones to float
+    rounding (1e-6 of the largest logit)."""
     comparable = again.shape == logits.shape and jnp.issubdtype(again.dtype, jnp.floating)
     again = again.astype(np.float64) if comparable else again
     tol = 1e-6 * max(float(np.max(np.abs(logits))), 1.0)  # float rounding only, no real noise
@@ -248,7 +264,6 @@ def check_model(
             "fn(params, x, key) drawing all its randomness from key (then use --eot), or make it "
             "deterministic (e.g. deterministic=True for dropout)"
         )
-    return int(k)
 
 
 # ----------------------------------------------------------------------------- helpers

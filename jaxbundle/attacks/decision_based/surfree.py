@@ -86,6 +86,11 @@ import jax.numpy as jnp
 
 from jaxbundle import norms
 from jaxbundle.attacks.base import Attack, Candidate, LabelOracle, check_count
+from jaxbundle.attacks.decision_based.surfree_geometry import (
+    circle_point,
+    orthogonalize,
+    sample_directions,
+)
 
 __all__ = [
     "SurFreeConfig",
@@ -152,63 +157,10 @@ def init_queries(config: SurFreeConfig) -> int:
     return config.init_trials + config.init_search_steps
 
 
-
-
-
 def _quantized(x: jax.Array, x0: jax.Array, grid: jax.Array | None) -> jax.Array:
     """A query point: clipped to the box and rounded to the 8-bit grid where the example is
     judged on it (``grid``, the judging mask)."""
     return norms.snap_to_grid(norms.project_box(x), x0, grid=grid)
-
-
-def _low_frequency_mask(shape: tuple[int, ...], ratio: float) -> jax.Array:
-    """1 on the first ``ceil(ratio * n)`` DCT rows and columns of ``[H, W, ...]``, else 0."""
-    rows = jnp.arange(shape[0]) < math.ceil(ratio * shape[0])
-    cols = jnp.arange(shape[1]) < math.ceil(ratio * shape[1])
-    mask = (rows[:, None] & cols[None, :]).astype(jnp.float32)
-    return mask.reshape(mask.shape + (1,) * (len(shape) - 2))
-
-
-def sample_directions(
-    keys: jax.Array, shape: tuple[int, ...], basis: str, frequency_ratio: float
-) -> jax.Array:
-    """One random direction per key, flattened ``[B, D]`` (not normalised).
-
-    ``"dct"``: Gaussian coefficients on the low-frequency block of the orthonormal 2-D DCT over
-    the first two axes of ``shape`` (``[H, W, C]`` images), inverse-transformed; inputs with
-    fewer than two axes use white noise. ``"gaussian"``: white Gaussian noise.
-    """
-    noise = jax.vmap(lambda k: jax.random.normal(k, shape))(keys)
-    if basis == "dct" and len(shape) >= 2:
-        coeffs = noise * _low_frequency_mask(shape, frequency_ratio)[None]
-        noise = jax.scipy.fft.idctn(coeffs, axes=(1, 2), norm="ortho")
-    return norms.flat(noise)
-
-
-def orthogonalize(t: jax.Array, directions: jax.Array, u: jax.Array) -> jax.Array:
-    """Unit ``t`` ``[B, D]`` made orthogonal to ``u`` and to the buffer ``[B, L, D]``.
-
-    The buffer rows are orthonormal (or zero), so Gram-Schmidt takes one projection for them
-    and one for ``u``'s part outside their span; a last projection on ``u`` removes the
-    float32 residue, which the circle's geometry needs exactly.
-    """
-
-    def off_buffer(a):
-        return a - jnp.einsum("bl,bld->bd", jnp.einsum("bd,bld->bl", a, directions), directions)
-
-    u_rest = norms.unit(off_buffer(u))
-    v = off_buffer(t)
-    v = v - norms.dot(v, u_rest)[:, None] * u_rest
-    v = v - norms.dot(v, u)[:, None] * u
-    return norms.unit(v)
-
-
-def circle_point(
-    x0: jax.Array, u: jax.Array, v: jax.Array, dist: jax.Array, theta: jax.Array
-) -> jax.Array:
-    """``x0 + dist cos θ (u cos θ + v sin θ)`` per example, flat ``[B, D]`` (not clipped)."""
-    c, s = jnp.cos(theta)[:, None], jnp.sin(theta)[:, None]
-    return x0 + dist[:, None] * c * (u * c + v * s)
 
 
 def _fooled(model: LabelOracle, x: jax.Array, y: jax.Array) -> jax.Array:
@@ -536,6 +488,49 @@ def surfree(
     Returns:
       A decision-based, min-norm :class:`~jaxbundle.attacks.base.Attack`.
     """
+    config = _checked_config(
+        queries=queries, restarts=restarts, queries_per_step=queries_per_step, trials=trials,
+        search_steps=search_steps, gamma=gamma, theta_max=theta_max, rho=rho, history=history,
+        basis=basis, frequency_ratio=frequency_ratio, init_trials=init_trials,
+        init_search_steps=init_search_steps, norm=norm,
+    )
+    first, per_step = init_queries(config), config.queries_per_step
+    steps = _steps_in_budget(config, queries, restarts)
+    config = config._replace(num_steps=steps)
+    return Attack(
+        name=name or "surfree",
+        kind="decision-based",
+        norm="l2",
+        num_steps=steps,
+        num_restarts=restarts,
+        gradients_per_step=0,
+        init=init,
+        step=step,
+        config=config,
+        goal="min_norm",
+        init_queries=first,
+        queries_per_step=per_step,
+    )
+
+
+def _checked_config(
+    *,
+    queries: int,
+    restarts: int,
+    queries_per_step: int,
+    trials: int,
+    search_steps: int,
+    gamma: float,
+    theta_max: float,
+    rho: float,
+    history: int,
+    basis: str,
+    frequency_ratio: float,
+    init_trials: int,
+    init_search_steps: int,
+    norm: str,
+) -> SurFreeConfig:
+    """:func:`surfree`'s arguments checked, as a config with ``num_steps`` 0 (not yet known)."""
     if norms.check_norm(norm) != "l2":
         raise ValueError(f"surfree supports norm 'l2' only, not {norm!r}")
     if basis not in BASES:
@@ -559,7 +554,7 @@ def surfree(
         raise ValueError(f"surfree rho must be in (0, 1), got {rho}")
     if not 0 < frequency_ratio <= 1:
         raise ValueError(f"surfree frequency_ratio must be in (0, 1], got {frequency_ratio}")
-    config = SurFreeConfig(
+    return SurFreeConfig(
         num_steps=0,
         queries_per_step=int(queries_per_step),
         init_trials=int(init_trials),
@@ -573,6 +568,11 @@ def surfree(
         basis=basis,
         frequency_ratio=float(frequency_ratio),
     )
+
+
+def _steps_in_budget(config: SurFreeConfig, queries: int, restarts: int) -> int:
+    """The most steps with ``restarts * (init_queries + steps * queries_per_step) <= queries``
+    (``ValueError`` when not even one fits)."""
     first, per_step = init_queries(config), config.queries_per_step
     steps = (queries // restarts - first) // per_step
     if steps < 1:
@@ -581,18 +581,4 @@ def surfree(
             f"{first} queries for init and {per_step} per step, so queries >= "
             f"{restarts * (first + per_step)}"
         )
-    config = config._replace(num_steps=steps)
-    return Attack(
-        name=name or "surfree",
-        kind="decision-based",
-        norm="l2",
-        num_steps=steps,
-        num_restarts=restarts,
-        gradients_per_step=0,
-        init=init,
-        step=step,
-        config=config,
-        goal="min_norm",
-        init_queries=first,
-        queries_per_step=per_step,
-    )
+    return steps
