@@ -13,8 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from jaxbundle import attacks
-from jaxbundle.evaluate import evaluate
+from jaxbundle import Plan, attacks, evaluate
 from jaxbundle import metrics as metrics_lib
 from jaxbundle.metrics import Counts, relative_robustness
 from toys import (
@@ -39,16 +38,22 @@ def problem():
     return params, np.asarray(images(x)), y, eps
 
 
-def _run(problem, **kw):
+def _run(problem, checkpoint_dir=None, progress=None, **fields):
+    """ATTACKS on the problem, with the plan's ``fields`` (seed 3 unless given)."""
     params, x, y, eps = problem
-    kw.setdefault("seed", 3)
-    return evaluate(linear_apply, params, x, y, ATTACKS, eps=eps, mesh=None, **kw)
+    plan = Plan(eps=eps, attacks=tuple(ATTACKS), **{"seed": 3, **fields})
+    return evaluate(linear_apply, params, (x, y), plan, mesh=None,
+                    checkpoint_dir=checkpoint_dir, progress=progress)
 
 
 @pytest.mark.slow
 def test_batch_size_does_not_change_any_per_example_result(problem):
     a = _run(problem, batch_size=37)
     b = _run(problem, batch_size=8)  # 5 batches, the last padded with 3 real rows
+    # The record's plan names the batch size it ran with; nothing else differs.
+    assert (a.metrics["plan"]["run"]["batch_size"], b.metrics["plan"]["run"]["batch_size"]) == (
+        37, 8)
+    b.metrics["plan"]["run"]["batch_size"] = 37
     assert a.metrics == b.metrics
     assert set(a.per_example) == set(b.per_example)
     for k in a.per_example:
@@ -104,7 +109,7 @@ def test_checkpoint_resume_is_bit_identical(problem, tmp_path):
     assert resumed.metrics == reference.metrics
     for k in reference.per_example:
         np.testing.assert_array_equal(resumed.per_example[k], reference.per_example[k], err_msg=k)
-    with pytest.raises(ValueError, match="different evaluation"):
+    with pytest.raises(ValueError, match=r"different evaluation \(plan\.run\.seed changed\)"):
         _run(problem, batch_size=8, checkpoint_dir=str(tmp_path), seed=4)
 
 
@@ -119,8 +124,7 @@ def _worker_script(problem, tmp_path, setup: str, checkpoint: bool = False) -> s
         f"""
         import json, sys
         import jax, numpy as np
-        from jaxbundle import attacks, data
-        from jaxbundle.evaluate import evaluate_source
+        from jaxbundle import Plan, attacks, data, evaluate
         from toys import linear_apply
         tag = sys.argv[1]
         d = np.load(r"{tmp_path / 'p.npz'}")
@@ -132,11 +136,11 @@ def _worker_script(problem, tmp_path, setup: str, checkpoint: bool = False) -> s
                 reads.append([start, stop])
                 return super().read(start, stop)
 
-        ev = evaluate_source(linear_apply, params, Recording(d["x"], d["y"]),
-                             [attacks.fgsm(), attacks.pgd(steps=4, restarts=2),
-                              attacks.square("linf", queries=30)],
-                             eps=float(d["eps"]), seed=3, batch_size=16, mesh="auto",
-                             checkpoint_dir={ckpt}, keep_images=True)
+        plan = Plan(eps=float(d["eps"]), seed=3, batch_size=16,
+                    attacks=(attacks.fgsm(), attacks.pgd(steps=4, restarts=2),
+                             attacks.square("linf", queries=30)))
+        ev = evaluate(linear_apply, params, Recording(d["x"], d["y"]), plan, mesh="auto",
+                      checkpoint_dir={ckpt}, keep_images=True)
         np.savez(r"{tmp_path}" + f"/out{{tag}}.npz", **ev.per_example)
         with open(r"{tmp_path}" + f"/metrics{{tag}}.json", "w") as f:
             json.dump(ev.metrics, f)
@@ -176,12 +180,15 @@ def test_eight_devices_give_the_same_answer(problem, tmp_path):
 
 def test_evaluate_rejects_bad_data(problem):
     params, x, y, eps = problem
+    plan = Plan(eps=eps, attacks=tuple(ATTACKS))
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
-        evaluate(linear_apply, params, x * 2, y, ATTACKS, eps=eps)
-    with pytest.raises(ValueError, match="batch_size"):
-        evaluate(linear_apply, params, x, y, ATTACKS, eps=eps, batch_size=0)
+        evaluate(linear_apply, params, (x * 2, y), plan)
+    with pytest.raises(ValueError, match="batch_size must be a positive integer, got 0"):
+        evaluate(linear_apply, params, (x, y), plan.replace(batch_size=0))
     with pytest.raises(ValueError, match="empty"):
-        evaluate(linear_apply, params, x[:0], y[:0], ATTACKS, eps=eps)
+        evaluate(linear_apply, params, (x[:0], y[:0]), plan)
+    with pytest.raises(TypeError, match="plan must be a jaxbundle.Plan"):
+        evaluate(linear_apply, params, (x, y), {"eps": eps})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,12 +272,15 @@ def test_hand_computed_figures():
 
 def test_confident_failures_only_with_the_max_confidence_goal(problem):
     """Without the max-confidence goal no candidate was kept for its confidence: the figure is
-    absent, not a 0 % that would read as a perfect defence."""
+    null, not a 0 % that would read as a perfect defence."""
     params, x, y, eps = problem
-    without = evaluate(linear_apply, params, x, y, ATTACKS[:1], eps=eps, goals=("misclassify",))
-    assert "confident_failure_rate" not in without.metrics
-    with_ = evaluate(linear_apply, params, x, y, ATTACKS[1:2], eps=4 * eps,
-                     goals=("misclassify", "max_confidence"))
+    without = evaluate(linear_apply, params, (x, y),
+                       Plan(eps=eps, attacks=tuple(ATTACKS[:1]), goals=("misclassify",)))
+    assert without.metrics["confident_failure_rate"] is None
+    assert without.metrics["failure_rate_curve"] is None
+    with_ = evaluate(linear_apply, params, (x, y),
+                     Plan(eps=4 * eps, attacks=tuple(ATTACKS[1:2]),
+                          goals=("misclassify", "max_confidence")))
     rates = with_.metrics["confident_failure_rate"]
     confidence = with_.per_example["max_wrong_confidence"]
     for t, rate in rates.items():
@@ -279,7 +289,8 @@ def test_confident_failures_only_with_the_max_confidence_goal(problem):
 
 
 def test_a_new_metric_is_one_class(problem, monkeypatch):
-    """A reducer added to METRICS alone is counted, merged, reported and checkpointed."""
+    """A reducer added to METRICS (and its figure to the report schema) is counted, merged and
+    reported; a figure the schema does not list is refused, not reported undocumented."""
     from typing import NamedTuple
 
     class Fooled(NamedTuple):
@@ -299,9 +310,19 @@ def test_a_new_metric_is_one_class(problem, monkeypatch):
         def compute(self, setting):
             return {"fooled_by_any": int(self.fooled)}
 
+    from jaxbundle import schema
+
     monkeypatch.setitem(metrics_lib.METRICS, "fooled", Fooled)
     params, x, y, eps = problem
-    ev = evaluate(linear_apply, params, x, y, ATTACKS[:2], eps=eps, batch_size=16)
+    plan = Plan(eps=eps, attacks=tuple(ATTACKS[:2]), batch_size=16)
+    with pytest.raises(ValueError, match=r"\['fooled_by_any'\] are not in the report schema"):
+        evaluate(linear_apply, params, (x, y), plan)
+    # The schema's field list as model_record reads it (evaluation fields come before "model").
+    fields = list(schema._FIELDS)
+    fields.insert(fields.index("model"), "fooled_by_any")
+    monkeypatch.setattr(schema, "_FIELDS", tuple(fields))
+    monkeypatch.setattr(schema, "_FROM_EVALUATION", tuple(fields[: fields.index("model")]))
+    ev = evaluate(linear_apply, params, (x, y), plan)
     assert ev.metrics["fooled_by_any"] == int(ev.per_example["attack_success"].any(axis=1).sum())
 
 
@@ -345,7 +366,7 @@ def test_attack_descriptions_hold_no_object_addresses():
     import re
 
     from jaxbundle import suites
-    from jaxbundle.evaluate import describe, fingerprint
+    from jaxbundle.checkpoint import describe, fingerprint, identity
 
     for norm in ("linf", "l2"):
         for name in suites.ATTACKS:
@@ -360,4 +381,5 @@ def test_attack_descriptions_hold_no_object_addresses():
     assert "0x" not in json.dumps(describe(closure)) and "linear_apply" in json.dumps(
         describe(closure)
     )
-    assert fingerprint(a=1, b=[1, 2]) == fingerprint(b=[1, 2], a=1)
+    assert identity(a=1, b=[1, 2]) == identity(b=[1, 2], a=1)
+    assert fingerprint(identity(a=1, b=[1, 2])) == fingerprint(identity(b=[1, 2], a=1))
