@@ -133,11 +133,15 @@ class Plan:
             from jaxbundle import sampling
 
             if not sampling.is_stochastic(apply_fn):
+                if self.eot != 1:
+                    raise ValueError(
+                        f"eot={self.eot} but the model is deterministic; EOT averages over a "
+                        "stochastic model's randomness (declare it with jaxbundle.stochastic)")
                 for field in ("judge_calls", "success_threshold"):
                     if getattr(self, field) is not None:
                         raise ValueError(f"{field} is for stochastic models; the model is "
                                          "deterministic")
-                validation.check_eot(attacks, apply_fn)
+            validation.check_eot(attacks, apply_fn)
         return self
 
     @property
@@ -242,6 +246,7 @@ def _check_schedule(plan: Plan, attacks: tuple[Attack, ...]) -> None:
     if plan.mode != "cascade":
         for field, given in (("focus", bool(plan.focus)), ("segments", plan.segments > 1),
                              ("budget", plan.budget is not None),
+                             ("threshold", plan.threshold is not None),
                              ("goal", plan.goal != "misclassify")):
             if given:
                 raise ValueError(f"{field} is a cascade setting: it needs mode='cascade' "

@@ -64,11 +64,15 @@ def test_bad_flags_exit_2_with_a_message(argv, message, capsys):
         (["evaluate", "--n", "5000"], "2000"),
         (["evaluate", "--num-processes", "2", "--process-id", "2"], "process id must be in 0..1"),
         (["evaluate", "--process-id", "-1"], "process id must be in 0..N-1"),
-        (["evaluate", "--focus", "rays=0.5"], "not in the bundle"),
-        (["evaluate", "--focus", "square-aa=0.5", "--schedule", "full"], "needs the cascade"),
-        (["evaluate", "--bundle", "broad", "--focus", "fmn=0.5"], "needs the cascade"),
+        (["evaluate", "--focus", "rays=0.5"], "not in the plan"),
+        (["evaluate", "--focus", "apgd-t=0.5"], "not in the plan"),  # the default's is apgd-t5
+        (["evaluate", "--focus", "square-aa=0.5", "--schedule", "full"], "needs mode='cascade'"),
+        (["evaluate", "--bundle", "broad", "--focus", "fmn=0.5"], "needs mode='cascade'"),
+        (["evaluate", "--bundle", "broad", "--segments", "3"], "needs mode='cascade'"),
+        (["evaluate", "--bundle", "broad", "--budget", "100"], "needs mode='cascade'"),
+        (["evaluate", "--attacks", "fgsm,fgsm"], "attack names must be unique"),
         (["evaluate", "--queries", "1"], "square-aa needs queries to be an integer >= 2"),
-        (["evaluate", "--bundle", "fast", "--queries", "100"], "no attack of this run has one"),
+        (["evaluate", "--bundle", "fast", "--queries", "100"], "no attack of this plan has one"),
     ],
 )
 def test_bad_values_exit_2_with_a_message(argv, message, capsys, tmp_path):
@@ -110,16 +114,18 @@ def test_evaluate_end_to_end(tmp_path, capsys):
     assert judged in printed
 
     report = _report(out)
-    assert report["schema_version"] == 1 and report["config"]["judging"] == "auto"
+    plan = report["config"]["plan"]
+    assert report["schema_version"] == 2 and plan["threat_model"]["judging"] == "auto"
     default = ["fgsm", "pgd-ce", "pgd-margin", "fmn", "square", "rays"]
-    assert report["config"]["attacks"] == default and report["config"]["bundle"] == "broad"
-    assert report["config"]["schedule"] == "full" and report["config"]["queries"] == 200
+    assert [a["name"] for a in plan["attacks"]] == default and plan["bundle"] == "broad"
+    assert plan["schedule"]["mode"] == "full" and plan["overrides"]["queries"] == 200
     assert set(report["models"]) == {"standard", "adversarial"}
     for name, m in report["models"].items():
         for key in ("clean_accuracy", "robust_accuracy", "relative_robustness", "mat", "wat",
-                    "n_examples", "eps", "norm", "seed"):
+                    "n_examples", "eps", "norm", "plan"):
             assert key in m, key
-        assert m["n_examples"] == 24 and m["eps"] == 0.3 and m["norm"] == "linf" and m["seed"] == 5
+        assert m["n_examples"] == 24 and m["eps"] == 0.3 and m["norm"] == "linf"
+        assert m["plan"]["run"]["seed"] == 5 and m["plan"] == plan
         assert m["judging"]["mode"] == "auto" and m["judging"]["grid_examples"] == 24
         assert m["judging"]["statement"].startswith(judged)
         assert set(m["mat"]) == set(default)
@@ -171,8 +177,8 @@ def test_evaluate_end_to_end(tmp_path, capsys):
             "--no-shifts", "--out", str(out)]
     assert main(fast) == 0
     report3 = _report(out)
-    assert report3["config"]["bundle"] == "fast"
-    assert set(report3["models"]["adversarial"]["mat"]) == {"apgd-ce", "apgd-t"}
+    assert report3["config"]["plan"]["bundle"] == "fast"
+    assert set(report3["models"]["adversarial"]["mat"]) == {"apgd-ce", "apgd-t3"}
 
 
 @pytest.mark.slow
@@ -211,14 +217,15 @@ def test_default_bundle_runs_as_a_focused_cascade(tmp_path, capsys):
             "--out", str(out)]
     assert main(argv) == 0
     report = json.loads((out / "report.json").read_text())
-    focus = {"apgd-ce-long": 0.5, "apgd-t": 0.5, "square-aa": 0.08}
-    assert report["config"]["bundle"] == "default" and report["config"]["schedule"] == "cascade"
-    assert report["config"]["focus"] == focus
+    focus = {"apgd-ce-long": 0.5, "apgd-t5": 0.5, "square-aa": 0.08}
+    plan = report["config"]["plan"]
+    assert plan["bundle"] == "default" and plan["schedule"]["mode"] == "cascade"
+    assert plan["schedule"]["focus"] == focus
     m = report["models"]["adversarial"]
     stages = m["schedule"]["stages"]
-    assert [s["attack"] for s in stages] == ["apgd-ce", "apgd-ce-long", "apgd-t", "square-aa"]
+    assert [s["attack"] for s in stages] == ["apgd-ce", "apgd-ce-long", "apgd-t5", "square-aa"]
     assert m["schedule"]["focus"] == focus
-    assert report["config"]["segments"] == m["schedule"]["segments"] == 6
+    assert plan["schedule"]["segments"] == m["schedule"]["segments"] == 6
     # A focused stage ran, in each batch of 16 (24 examples: 16 + 8), on survivors of the
     # stages before only, as many as a bucket size (16 x 1, 3/4, 1/2, 3/8, ...: 16, 12, 8, 6,
     # 4, 3, 2, 1; or all survivors, where the bucket would hold more) within a factor sqrt(2)
@@ -269,8 +276,12 @@ def test_randomized_defence_with_eot_end_to_end(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "judged over 8 fresh calls" in printed
     report = json.loads((out / "report.json").read_text())
-    assert report["config"]["eot"] == 4 and report["config"]["judge_calls"] == 8
-    assert "stochastic" not in report["models"]["adversarial"]  # deterministic: no EOT
+    stochastic = report["config"]["plan"]["stochastic"]
+    assert stochastic == {"eot": 4, "judge_calls": 8, "success_threshold": 0.25}
+    deterministic = report["models"]["adversarial"]
+    assert deterministic["stochastic"] is None  # deterministic: no EOT, as its plan says
+    assert deterministic["plan"]["stochastic"] == {"eot": 1, "judge_calls": None,
+                                                   "success_threshold": None}
     for name in ("randomized", "noisy"):
         m = report["models"][name]
         s = m["stochastic"]

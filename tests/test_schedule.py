@@ -16,12 +16,28 @@ from hypothesis import strategies as st
 from jaxbundle import attacks as attacks_lib
 from jaxbundle import goals as goals_lib
 from jaxbundle import suites
+from jaxbundle import Plan, evaluate
 from jaxbundle.bundler import bundle, goals_for
-from jaxbundle.evaluate import evaluate
 from jaxbundle.schedule import _nearest_bucket, bucket_sizes, cascade
 from toys import images, linear_apply, linear_problem, min_distance
 
 KEY = jax.random.key(7)
+
+
+def _cascade(atts, params, x, y, ids, eps, *, goal_names, norm="linf", judging="auto",
+             **schedule):
+    """schedule.cascade under a checked cascade plan with these attacks and settings (the
+    plan's eps is the largest radius; the batch's own, possibly per example, is passed)."""
+    plan = Plan(eps=float(np.max(eps)), norm=norm, judging=judging, attacks=tuple(atts),
+                goals=goal_names, mode="cascade", **schedule).check()
+    return cascade(plan, atts, linear_apply, params, x, y, KEY, ids, eps, goal_names=goal_names)
+
+
+def _evaluate(params, x, y, atts, eps, **plan):
+    """jaxbundle.evaluate of the linear toy under a plan of these attacks (no mesh)."""
+    plan.setdefault("goals", ("misclassify",))
+    return evaluate(linear_apply, params, (x, y), Plan(eps=eps, attacks=tuple(atts), **plan),
+                    mesh=None)
 
 
 def _bundles(norm):
@@ -52,7 +68,7 @@ def test_cascade_fools_exactly_what_the_full_bundle_fools(norm, which, segments)
     ids = jnp.arange(len(y), dtype=jnp.int32)
     full = bundle(atts, linear_apply, params, x, y, KEY, eps=eps, norm=norm, goals=goals,
                   example_id=ids)
-    res, stages = cascade(atts, linear_apply, params, x, y, KEY, ids, eps, norm=norm,
+    res, stages = _cascade(atts, params, x, y, ids, eps, norm=norm,
                           goal_names=goals, segments=segments)
     fooled_full = np.asarray(goals_lib.success("misclassify", full.best["misclassify"].score, eps))
     fooled = np.asarray(goals_lib.success("misclassify", res.best["misclassify"].score, eps))
@@ -88,10 +104,9 @@ def test_cascade_fools_exactly_what_the_full_bundle_fools(norm, which, segments)
 def test_cascade_evaluation_equals_full_evaluation_per_example(batch_size, segments):
     params, x, y, eps = _problem(n=37, seed=4)
     atts = _bundles("linf")[1]
-    full = evaluate(linear_apply, params, x, y, atts, eps=eps, batch_size=batch_size,
-                    mesh=None, goals=("misclassify",))
-    cas = evaluate(linear_apply, params, x, y, atts, eps=eps, batch_size=batch_size,
-                   mesh=None, goals=("misclassify",), schedule="cascade", segments=segments)
+    full = _evaluate(params, x, y, atts, eps, batch_size=batch_size)
+    cas = _evaluate(params, x, y, atts, eps, batch_size=batch_size, mode="cascade",
+                    segments=segments)
     np.testing.assert_array_equal(cas.per_example["success"], full.per_example["success"])
     assert cas.metrics["robust_accuracy"] == full.metrics["robust_accuracy"]
     stages = cas.metrics["schedule"]["stages"]
@@ -102,7 +117,7 @@ def test_cascade_evaluation_equals_full_evaluation_per_example(batch_size, segme
         assert s["robust_accuracy"] == pytest.approx(100 * np.mean(ok & ~cumulative[:, k]))
     assert stages[-1]["robust_accuracy"] == cas.metrics["robust_accuracy"]
     assert stages[0]["examples"] == ok.sum() and stages[1]["examples"] < stages[0]["examples"]
-    assert cas.metrics["mat"] == {} and cas.metrics["wat"] is None
+    assert cas.metrics["mat"] is None and cas.metrics["wat"] is None
     spent = sum(s["gradients"] + s["queries"] for s in stages)
     assert spent == cas.per_example["gradients"].sum() + cas.per_example["queries"].sum()
     full_cost = full.per_example["gradients"].sum() + full.per_example["queries"].sum()
@@ -122,8 +137,8 @@ def test_segments_stop_fooled_examples_early_and_compact_the_rest():
     pgd = attacks_lib.pgd("linf", steps=8, restarts=2)
     ids = jnp.arange(48, dtype=jnp.int32)
     full = bundle((pgd,), linear_apply, params, x, y, KEY, eps=eps, example_id=ids)
-    res, stages = cascade((pgd,), linear_apply, params, x, y, KEY, ids, eps, norm="linf",
-                          goal_names=("misclassify",), segments=4)
+    res, stages = _cascade((pgd,), params, x, y, ids, eps, goal_names=("misclassify",),
+                           segments=4)
     fooled = np.asarray(goals_lib.success("misclassify", res.best["misclassify"].score, eps))
     np.testing.assert_array_equal(fooled, np.asarray(
         goals_lib.success("misclassify", full.best["misclassify"].score, eps)))
@@ -146,11 +161,10 @@ def test_segments_stop_fooled_examples_early_and_compact_the_rest():
 def test_bad_segments_are_one_clear_error(segments):
     params, x, y, eps = _problem(n=8)
     with pytest.raises(ValueError, match="segments must be a positive integer"):
-        cascade((attacks_lib.fgsm(),), linear_apply, params, x, y, KEY, jnp.arange(8), eps,
-                norm="linf", goal_names=("misclassify",), segments=segments)
-    with pytest.raises(ValueError, match="segments drop satisfied examples"):
-        evaluate(linear_apply, params, x, y, (attacks_lib.fgsm(),), eps=eps, mesh=None,
-                 goals=("misclassify",), segments=2)
+        _cascade((attacks_lib.fgsm(),), params, x, y, jnp.arange(8), eps,
+                 goal_names=("misclassify",), segments=segments)
+    with pytest.raises(ValueError, match="segments is a cascade setting"):
+        _evaluate(params, x, y, (attacks_lib.fgsm(),), eps, segments=2)
 
 
 def test_bucket_sizes():
@@ -197,9 +211,8 @@ def test_no_recompilation_across_batches_and_buckets(segments):
 
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
-        run = lambda xs, ys: evaluate(  # noqa: E731
-            linear_apply, params, xs, ys, atts, eps=eps, batch_size=16, mesh=None,
-            goals=("misclassify",), schedule="cascade", segments=segments)
+        run = lambda xs, ys: _evaluate(  # noqa: E731
+            params, xs, ys, atts, eps, batch_size=16, mode="cascade", segments=segments)
         run(x[:32], y[:32])
         first = len(compiles)
         run(x[32:], y[32:])
@@ -241,13 +254,13 @@ def test_max_confidence_threshold_on_a_linear_model_matches_the_analytic_answer(
     atts = (attacks_lib.fgsm(loss="ce"), attacks_lib.pgd(steps=3))
     goals = goals_for(("misclassify", "max_confidence"), atts)
     ids = jnp.arange(64, dtype=jnp.int32)
-    res, stages = cascade(atts, linear_apply, params, x, y, KEY, ids, eps, norm="linf",
+    res, stages = _cascade(atts, params, x, y, ids, eps, norm="linf",
                           goal_names=goals, judging="float", goal="max_confidence", threshold=t)
     assert stages[1].examples == expected_left
     conf = np.asarray(res.best["max_confidence"].score.confidence)
     np.testing.assert_allclose(np.sort(conf[best >= t]), np.sort(best[best >= t]), rtol=1e-4)
     with pytest.raises(ValueError, match="threshold"):
-        cascade(atts, linear_apply, params, x, y, KEY, ids, eps, norm="linf", goal_names=goals,
+        _cascade(atts, params, x, y, ids, eps, norm="linf", goal_names=goals,
                 goal="max_confidence")
 
 
@@ -261,7 +274,7 @@ def test_budget_goes_to_the_least_run_examples_first():
     goals = goals_for(("misclassify",), atts)
     ids = jnp.arange(40, dtype=jnp.int32)
     # 40 passes for stage 1, 2 x 15 for stage 2, 1 left for stage 3.
-    res, stages = cascade(atts, linear_apply, params, x, y, KEY, ids, eps, norm="linf",
+    res, stages = _cascade(atts, params, x, y, ids, eps, norm="linf",
                           goal_names=goals, budget=71 / 40)
     assert [s.examples for s in stages] == [40, 15, 1]
     spent = np.asarray(res.gradients)
@@ -292,9 +305,10 @@ def test_cascade_equals_full_on_trained_cnns(model):
         params = Net().init(jax.random.key(0), test.x[:1])
     atts = (attacks_lib.fgsm(), attacks_lib.pgd(steps=10), attacks_lib.square("linf", queries=51))
     runs = {
-        schedule: evaluate(apply_fn, params, test.x, test.y, atts, eps=eps, batch_size=24,
-                           mesh=None, goals=("misclassify",), schedule=schedule)
-        for schedule in ("full", "cascade")
+        mode: evaluate(apply_fn, params, (test.x, test.y),
+                       Plan(eps=eps, attacks=atts, batch_size=24, goals=("misclassify",),
+                            mode=mode), mesh=None)
+        for mode in ("full", "cascade")
     }
     np.testing.assert_array_equal(
         runs["cascade"].per_example["success"], runs["full"].per_example["success"]
@@ -314,7 +328,7 @@ def test_focus_spends_a_stage_on_the_most_promising_survivors_only():
     kw = dict(norm="linf", goal_names=goals)
     full = bundle(atts, linear_apply, params, x, y, KEY, eps=eps, norm="linf", goals=goals,
                   example_id=ids)
-    first, _ = cascade(atts[:1], linear_apply, params, x, y, KEY, ids, eps, **kw)
+    first, _ = _cascade(atts[:1], params, x, y, ids, eps, **kw)
     margin = np.asarray(first.best["misclassify"].score.margin)
     survivors = np.flatnonzero(~np.asarray(
         goals_lib.success("misclassify", first.best["misclassify"].score, eps)))
@@ -322,7 +336,7 @@ def test_focus_spends_a_stage_on_the_most_promising_survivors_only():
     # nearest in ratio (9 / 8.6 = 1.05 against 8.6 / 6 = 1.43), not rounded up to fill 12.
     assert survivors.size == 43
     keep = 9
-    res, stages = cascade(atts, linear_apply, params, x, y, KEY, ids, eps, focus={"pgd": 0.2},
+    res, stages = _cascade(atts, params, x, y, ids, eps, focus={"pgd": 0.2},
                           **kw)
     assert stages[1].examples == keep
     # Which ran: the survivors only, and none that ran is further from the boundary (a smaller
@@ -347,7 +361,7 @@ def test_focus_spends_a_stage_on_the_most_promising_survivors_only():
 @pytest.mark.parametrize(
     "focus, goal, message",
     [
-        ({"pgd-x": 0.5}, "misclassify", "not in the bundle"),
+        ({"pgd-x": 0.5}, "misclassify", "not in the plan"),
         ({"fgsm": 0.0}, "misclassify", "fraction in (0, 1]"),
         ({"fgsm": 1.5}, "misclassify", "fraction in (0, 1]"),
         ({"fgsm": True}, "misclassify", "fraction in (0, 1]"),
@@ -355,14 +369,13 @@ def test_focus_spends_a_stage_on_the_most_promising_survivors_only():
     ],
 )
 def test_bad_focus_is_one_clear_error(focus, goal, message):
-    from jaxbundle.schedule import check_focus
-
+    plan = Plan(eps=0.1, attacks=(attacks_lib.fgsm(),), goals=("misclassify", goal),
+                mode="cascade", goal=goal, focus=focus)
     with pytest.raises(ValueError, match=re.escape(message)):
-        check_focus(focus, (attacks_lib.fgsm(),), goal)
+        plan.check()
 
 
 def test_focus_needs_the_cascade():
     params, x, y, eps = _problem(n=8)
-    with pytest.raises(ValueError, match="needs schedule='cascade'"):
-        evaluate(linear_apply, params, x, y, (attacks_lib.fgsm(),), eps=eps, mesh=None,
-                 goals=("misclassify",), focus={"fgsm": 0.5})
+    with pytest.raises(ValueError, match=re.escape("needs mode='cascade'")):
+        _evaluate(params, x, y, (attacks_lib.fgsm(),), eps, focus={"fgsm": 0.5})

@@ -1,0 +1,312 @@
+"""One plan: the Python API and the CLI run the same plan with the same results, every bad value
+is one error from Plan.check (through the API and as exit status 2 through the CLI), a
+checkpoint refuses a changed plan naming what changed, and one attack vocabulary."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxbundle
+from jaxbundle import attacks as attacks_lib
+from jaxbundle import bundles, suites
+from jaxbundle.cli import main
+from jaxbundle.plan import AttackSpec, Plan
+from toys import images, linear_apply, linear_problem, min_distance
+
+# A tiny user model (a 64-32-10 ReLU MLP on 8x8 digits) and its data, written once per module:
+# the CLI loads it as `--model tinymlp:model`, the API calls the same function.
+_MODEL = textwrap.dedent("""
+    import jax, jax.numpy as jnp
+
+    def apply_fn(params, x):
+        h = jax.nn.relu(x.reshape(x.shape[0], -1) @ params["w1"] + params["b1"][None])
+        return h @ params["w2"] + params["b2"][None]
+
+    def model():
+        k1, k2 = jax.random.split(jax.random.key(3))
+        params = {"w1": jax.random.normal(k1, (64, 32)) * 0.3, "b1": jnp.zeros(32),
+                  "w2": jax.random.normal(k2, (32, 10)) * 0.3, "b2": jnp.zeros(10)}
+        return apply_fn, params
+""")
+
+
+@pytest.fixture(scope="module")
+def user(tmp_path_factory):
+    """The model module on sys.path and an npz of 24 on-grid 8x8 images the model mostly
+    classifies correctly (labels: its own predictions, 4 of them flipped)."""
+    root = tmp_path_factory.mktemp("plan")
+    (root / "tinymlp.py").write_text(_MODEL)
+    sys.path.insert(0, str(root))
+    import tinymlp
+
+    apply_fn, params = tinymlp.model()
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, (24, 8, 8, 1)).astype(np.uint8)
+    y = np.asarray(jnp.argmax(apply_fn(params, x / 255.0), -1)).astype(np.int64)
+    y[:4] = (y[:4] + 1) % 10
+    np.savez(root / "digits.npz", x=x, y=y)
+    yield root, apply_fn, params, x, y
+    sys.path.remove(str(root))
+    sys.modules.pop("tinymlp", None)
+
+
+def _cli_flags(root, out, *flags):
+    return ["evaluate", "--model", "tiny=tinymlp:model", "--data", f"npz:{root / 'digits.npz'}",
+            "--no-shifts", "--no-progress", "--no-compile-cache", "--cache-dir",
+            str(root / "cache"), "--batch-size", "16", "--out", str(out), *flags]
+
+
+@pytest.mark.parametrize("bundle, norm, eps", [
+    pytest.param("default", "linf", 0.03, marks=pytest.mark.slow),
+    pytest.param("default", "l2", 0.2, marks=pytest.mark.slow),
+    pytest.param("autoattack", "linf", 0.03, marks=pytest.mark.slow),
+    pytest.param("autoattack", "l2", 0.2, marks=pytest.mark.slow),
+    ("fast", "l2", 0.2),
+    pytest.param("broad", "linf", 0.03, marks=pytest.mark.slow),
+])
+def test_api_and_cli_give_the_same_per_example_arrays(user, tmp_path, bundle, norm, eps):
+    """``jaxbundle.evaluate(apply_fn, params, data, bundles.plan(NAME, ...))`` and
+    ``jaxbundle evaluate --bundle NAME`` with the same settings: the same plan, the same
+    per-example arrays, the same figures."""
+    root, apply_fn, params, x, y = user
+    out = tmp_path / "report"
+    queries = {"queries": 60} if bundle != "fast" else {}  # fast has no black-box attack
+    flags = ["--bundle", bundle, "--norm", norm, "--eps", str(eps), "--seed", "3",
+             *(["--queries", "60"] if queries else [])]
+    assert main(_cli_flags(root, out, *flags)) == 0
+    report = json.loads((out / "report.json").read_text())
+    plan = bundles.plan(bundle, norm, eps, seed=3, batch_size=16, **queries)
+    assert report["config"]["plan"] == report["models"]["tiny"]["plan"] == plan.describe()
+    ev = jaxbundle.evaluate(apply_fn, params, f"npz:{root / 'digits.npz'}", plan)
+    with np.load(out / "tiny.npz") as cli:
+        assert list(cli["attack_names"]) == list(ev.attack_names)
+        assert set(cli.files) - {"attack_names"} == set(ev.per_example)
+        for key, value in ev.per_example.items():
+            np.testing.assert_array_equal(cli[key], value, err_msg=key)
+    m = report["models"]["tiny"]
+    for key in ("clean_accuracy", "robust_accuracy", "mat", "wat", "schedule"):
+        assert m[key] == json.loads(json.dumps(ev.metrics[key])), key
+    assert 0 < ev.metrics["robust_accuracy"] < ev.metrics["clean_accuracy"]
+    if bundle in ("default", "autoattack"):
+        assert m["schedule"]["mode"] == "cascade" and m["mat"] is None
+        assert [s["attack"] for s in m["schedule"]["stages"]] == list(ev.attack_names)
+
+
+def test_a_named_bundle_carries_its_schedule():
+    """The default bundle is a focused, segmented cascade wherever it is used: the bug this
+    replaces ran it in full from Python and as a cascade from the CLI."""
+    plan = bundles.default("linf", 0.3)
+    assert plan == bundles.plan("default", "linf", 0.3) and plan.bundle == "default"
+    assert (plan.mode, plan.segments) == ("cascade", 6)
+    assert plan.focus_map == {"apgd-ce-long": 0.5, "apgd-t5": 0.5, "square-aa": 0.08}
+    assert [a.name for a in plan.attack_values()] == ["apgd-ce", "apgd-ce-long", "apgd-t5",
+                                                      "square-aa"]
+    assert bundles.autoattack("l2", 0.5).mode == "cascade"
+    assert bundles.broad("linf", 0.3).mode == "full"
+    assert [a.name for a in bundles.black_box("l2", 1.0).attack_values()] == ["square",
+                                                                              "surfree"]
+    with pytest.raises(ValueError, match="needs the threat model's eps"):
+        bundles.default("linf")
+
+
+@pytest.mark.parametrize("name", list(bundles.BUNDLES))
+@pytest.mark.parametrize("norm", ["linf", "l2"])
+def test_every_bundle_is_a_valid_plan_named_in_one_vocabulary(name, norm):
+    plan = bundles.plan(name, norm, 0.1)
+    built = plan.attack_values()
+    assert [a.name for a in built] == [s.name for s in plan.attacks]
+    assert all(a.name in suites.ATTACKS and a.norm == norm for a in built)
+    assert set(plan.focus_map) <= {a.name for a in built}
+    assert plan.attack_values() is built  # built once per plan: jitted programs are reused
+    hash(plan)
+    json.dumps(plan.describe())
+
+
+def test_one_name_everywhere():
+    """An attack built by suite name is called by it; the CLI's --attacks, --focus, the report
+    and the per-example arrays all use it."""
+    for name in suites.ATTACKS:
+        for norm in ("linf", "l2"):
+            try:
+                assert suites.attack(name, norm).name == name
+            except ValueError as err:  # an attack of the other norm only
+                assert f"{norm!r}" in str(err) and "norm" in str(err)
+
+
+def test_plan_is_frozen_hashable_and_replaceable():
+    plan = Plan(eps=np.float32(0.25), attacks=["fgsm", "pgd-ce"], focus={"pgd-ce": 0.5},
+                mode="cascade", goals="misclassify")
+    assert plan.eps == 0.25 and type(plan.eps) is float
+    assert plan.attacks == (AttackSpec("fgsm"), AttackSpec("pgd-ce"))
+    assert plan.focus == (("pgd-ce", 0.5),) and plan.goals == ("misclassify",)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.eps = 0.1
+    assert plan.replace(seed=2).seed == 2 and plan.seed == 0
+    assert len({plan, plan.replace(), plan.replace(seed=2)}) == 2
+    assert plan.check() is plan
+
+
+_GOOD = dict(eps=0.1, attacks=("fgsm", "pgd-ce"))
+
+# (plan fields, the one error, the CLI flags that give the same plan, or None: no such flag)
+_BAD = [
+    (dict(eps=-0.1), "eps must be a finite number >= 0", None),
+    (dict(eps=float("nan")), "eps must be a finite number >= 0", None),
+    (dict(norm="l1"), "norm", None),
+    (dict(judging="round"), "judging", None),
+    (dict(goals=("misclassify", "fast")), "unknown goal", None),
+    (dict(attacks=()), "at least one attack", None),
+    (dict(attacks=("cw",)), "unknown attack 'cw'", ["--attacks", "cw"]),
+    (dict(attacks=("fgsm", "fgsm")), "attack names must be unique", ["--attacks", "fgsm,fgsm"]),
+    (dict(attacks=("cw-l2",)), "works in norm 'l2'", ["--attacks", "cw-l2"]),
+    (dict(steps=0), "steps must be a positive integer", None),
+    (dict(restarts=2.5), "restarts must be a positive integer", None),
+    (dict(step_size=-1.0), "step_size must be a number > 0", None),
+    (dict(queries=100), "no attack of this plan has one", ["--queries", "100"]),
+    (dict(mode="greedy"), "mode must be one of", None),
+    (dict(goals=("misclassify",), mode="cascade", goal="max_confidence", threshold=0.5),
+     "not among the goals", None),
+    (dict(goal="max_confidence"), "goal is a cascade setting", None),
+    (dict(goal="max_confidence", threshold=0.5), "threshold is a cascade setting",
+     ["--threshold", "0.5"]),
+    (dict(mode="cascade", goals=("max_confidence",), goal="max_confidence"),
+     "needs its threshold", None),
+    (dict(mode="cascade", threshold=1.5, goal="max_confidence", goals=("max_confidence",)),
+     "threshold must be a confidence in (0, 1]", None),
+    (dict(mode="cascade", threshold=0.5), "set goal='max_confidence'", None),
+    (dict(budget=100.0), "budget is a cascade setting", ["--budget", "100"]),
+    (dict(mode="cascade", budget=0.0), "budget must be a number of model passes > 0", None),
+    (dict(segments=3), "segments is a cascade setting", ["--segments", "3"]),
+    (dict(mode="cascade", segments=0), "segments must be a positive integer", None),
+    (dict(focus={"fgsm": 0.5}), "focus is a cascade setting", ["--focus", "fgsm=0.5"]),
+    (dict(mode="cascade", focus={"fmn": 0.5}), "not in the plan",
+     ["--schedule", "cascade", "--focus", "fmn=0.5"]),
+    (dict(mode="cascade", focus={"fgsm": 2.0}), "fraction in (0, 1]", None),
+    (dict(mode="cascade", goal="min_norm", goals=("min_norm",), focus={"fgsm": 0.5}),
+     "focus needs a goal that can be satisfied", None),
+    (dict(batch_size=0), "batch_size must be a positive integer", None),
+    (dict(seed=1.5), "seed must be an integer", None),
+    (dict(unroll=0), "unroll must be a positive integer or a bool", None),
+    (dict(restart_mode="pmap"), "restart_mode must be one of", None),
+    (dict(eot=0), "eot must be a positive integer", None),
+    (dict(judge_calls=0), "judge_calls must be a positive integer", None),
+    (dict(success_threshold=1.0), "success_threshold must be a success rate in [0, 1)", None),
+]
+
+
+@pytest.mark.parametrize("fields, message, flags", _BAD)
+def test_every_bad_value_is_one_error_from_check(fields, message, flags, tmp_path, capsys):
+    plan = Plan(**{**_GOOD, **fields})
+    with pytest.raises(ValueError, match=re.escape(message)):
+        plan.check()
+    # The API refuses it before touching the model or the data.
+    with pytest.raises(ValueError, match=re.escape(message)):
+        jaxbundle.evaluate(None, None, None, plan)
+    if flags is not None:
+        argv = ["evaluate", "--dry-run", "--out", str(tmp_path), "--cache-dir", str(tmp_path)]
+        if "--attacks" not in flags:
+            argv += ["--attacks", "fgsm,pgd-ce"]
+        assert main(argv + ["--eps", "0.1", *flags]) == 2
+        err = capsys.readouterr().err
+        assert "error:" in err and message in " ".join(err.split()) and "Traceback" not in err
+
+
+def test_the_model_dependent_rules(tmp_path):
+    params, x, y = linear_problem(n=4, k=3)
+    plan = Plan(eps=0.1, attacks=("fgsm",), eot=2)
+    with pytest.raises(ValueError, match="eot=2 but the model is deterministic"):
+        jaxbundle.evaluate(linear_apply, params, (images(x), y), plan)
+    with pytest.raises(ValueError, match="judge_calls is for stochastic models"):
+        jaxbundle.evaluate(linear_apply, params, (images(x), y),
+                           Plan(eps=0.1, attacks=("fgsm",), judge_calls=4))
+    with pytest.raises(TypeError, match="plan must be a jaxbundle.Plan"):
+        jaxbundle.evaluate(linear_apply, params, (images(x), y), bundles.BUNDLES["fast"])
+
+
+def test_dry_run_prints_the_plan_it_would_run(capsys, tmp_path):
+    argv = ["evaluate", "--dry-run", "--bundle", "default", "--focus", "square-aa=0.2",
+            "--segments", "3", "--queries", "500", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    printed = json.loads(capsys.readouterr().out)
+    expected = bundles.default("linf", 0.3, queries=500, segments=3,
+                               focus={"apgd-ce-long": 0.5, "apgd-t5": 0.5, "square-aa": 0.2})
+    assert printed["plan"] == expected.describe()
+    assert printed["threat_model"]["preset"] == "mnist-linf"
+    assert not (tmp_path / "report.json").exists()
+    # --schedule full on a cascade bundle drops the bundle's own focus and segments.
+    assert main(["evaluate", "--dry-run", "--schedule", "full"]) == 0
+    schedule = json.loads(capsys.readouterr().out)["plan"]["schedule"]
+    assert (schedule["mode"], schedule["focus"], schedule["segments"]) == ("full", {}, 1)
+
+
+def _toy():
+    params, x, y = linear_problem(n=12, k=4, seed=2)
+    eps = float(np.quantile(min_distance(params, x, y, "linf"), 0.5))
+    return params, np.asarray(images(x)), y, eps
+
+
+_CHANGES = [
+    ("eps", 0.05, "plan.threat_model.eps"),
+    ("norm", "l2", "plan.threat_model.norm"),
+    ("judging", "float", "plan.threat_model.judging"),
+    ("goals", ("misclassify",), "plan.threat_model.goals"),
+    ("attacks", ("fgsm", "pgd-margin"), "plan.attacks"),
+    ("steps", 4, "plan.overrides.steps"),
+    ("restarts", 2, "plan.overrides.restarts"),
+    ("step_size", 0.01, "plan.overrides.step_size"),
+    ("mode", "cascade", "plan.schedule.mode"),
+    ("seed", 1, "plan.run.seed"),
+    ("batch_size", 4, "plan.run.batch_size"),
+    ("unroll", 2, "plan.run.unroll"),
+    ("restart_mode", "map", "plan.run.restart_mode"),
+]
+
+
+def test_a_resumed_run_refuses_any_changed_plan_field(tmp_path):
+    """The same plan resumes (nothing left to run: the same result); a plan that differs in
+    any field is refused with the field named, before anything runs."""
+    params, x, y, eps = _toy()
+    base = Plan(eps=eps, attacks=("fgsm", "pgd-ce"), steps=3, batch_size=6)
+    first = jaxbundle.evaluate(linear_apply, params, (x, y), base, checkpoint_dir=str(tmp_path))
+    again = jaxbundle.evaluate(linear_apply, params, (x, y), base, checkpoint_dir=str(tmp_path))
+    np.testing.assert_array_equal(again.per_example["success"], first.per_example["success"])
+    cascades = {"mode": "cascade"}
+    changes = _CHANGES + [
+        ("focus", {"pgd-ce": 0.5}, "plan.schedule.focus"),
+        ("segments", 3, "plan.schedule.segments"),
+        ("budget", 100.0, "plan.schedule.budget"),
+    ]
+    for field, value, path in changes:
+        plan = base.replace(**{field: value})
+        if field in ("focus", "segments", "budget"):
+            plan = plan.replace(**cascades)
+        if field == "norm":
+            plan = plan.replace(eps=1.0)
+        with pytest.raises(ValueError, match=re.escape(path)) as err:
+            jaxbundle.evaluate(linear_apply, params, (x, y), plan, checkpoint_dir=str(tmp_path))
+        assert "belongs to a different evaluation" in str(err.value), field
+    other = jax.tree.map(lambda a: a + 1e-3, params)
+    with pytest.raises(ValueError, match="model"):
+        jaxbundle.evaluate(linear_apply, other, (x, y), base, checkpoint_dir=str(tmp_path))
+
+
+def test_a_resumed_stochastic_run_refuses_changed_stochastic_options(tmp_path):
+    params, x, y, eps = _toy()
+    noisy = jaxbundle.stochastic(
+        lambda p, xb, key: linear_apply(p, xb + 0.01 * jax.random.normal(key, xb.shape)),
+        calls=4)
+    base = Plan(eps=eps, attacks=(attacks_lib.fgsm(),), goals=("misclassify",), batch_size=6)
+    jaxbundle.evaluate(noisy, params, (x, y), base, checkpoint_dir=str(tmp_path))
+    for field, value in (("eot", 2), ("judge_calls", 8), ("success_threshold", 0.25)):
+        with pytest.raises(ValueError, match=re.escape(f"plan.stochastic.{field}")):
+            jaxbundle.evaluate(noisy, params, (x, y), base.replace(**{field: value}),
+                               checkpoint_dir=str(tmp_path))
