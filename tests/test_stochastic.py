@@ -290,8 +290,9 @@ def test_cascade_on_a_stochastic_model_fools_what_the_full_bundle_fools(segments
     goals = goals_for(("misclassify",), atts)
     ids = jnp.arange(len(y), dtype=jnp.int32)
     full = bundle(atts, model, params, x, y, KEY, eps=eps, goals=goals, example_id=ids)
-    res, _ = cascade(atts, model, params, x, y, KEY, ids, eps, norm="linf", goal_names=goals,
-                     segments=segments)
+    plan = jaxbundle.Plan(eps=eps, attacks=tuple(atts), goals=("misclassify",), mode="cascade",
+                          segments=segments).check(model)
+    res, _ = cascade(plan, atts, model, params, x, y, KEY, ids, eps, goal_names=goals)
 
     def fooled(r):
         return np.asarray(goals_lib.success("misclassify", r.best["misclassify"].score, eps))
@@ -302,13 +303,14 @@ def test_cascade_on_a_stochastic_model_fools_what_the_full_bundle_fools(segments
 
 
 def test_evaluation_reports_rates_and_the_randomness_check():
-    from jaxbundle.evaluate import evaluate
+    from jaxbundle import Plan, evaluate
 
     params, x, y, eps = _noisy_problem(n=20)
     model = jaxbundle.stochastic(noisy_linear, calls=8)
     pgd = attacks_lib.pgd(steps=5)
-    ev = evaluate(model, params, x, y, jaxbundle.with_eot([pgd], 4), eps=eps, batch_size=8,
-                  goals=("misclassify",))
+    plan = Plan(eps=eps, attacks=(pgd,), batch_size=8, goals=("misclassify",))
+    # EOT as a plan field: every attack averages 4 samples per call (jaxbundle.with_eot).
+    ev = evaluate(model, params, (x, y), plan.replace(eot=4))
     pe, s = ev.per_example, ev.metrics["stochastic"]
     assert (s["calls"], s["threshold"], s["eot"]) == (8, 0.5, {"pgd-ce": 4})
     np.testing.assert_array_equal(pe["success"], pe["success_rate"] > 0.5)
@@ -322,16 +324,17 @@ def test_evaluation_reports_rates_and_the_randomness_check():
     assert ev.metrics["checks"]["randomness"]["passed"]
     assert "every attack averages pgd-ce 4" in ev.metrics["checks"]["randomness"]["saw"]
     # Attacked without EOT: the check fails and says which attack.
-    single = evaluate(model, params, x, y, [pgd], eps=eps, batch_size=8, goals=("misclassify",))
+    single = evaluate(model, params, (x, y), plan)
     randomness = single.metrics["checks"]["randomness"]
     assert not randomness["passed"] and "without EOT: pgd-ce" in randomness["saw"]
-    # A model declared stochastic that ignores its key fails it too.
+    # A model declared stochastic that ignores its key fails it too (attacks given with EOT).
     ignores = jaxbundle.stochastic(lambda p, x_, key: linear_apply(p, x_), calls=4)
-    checked = evaluate(ignores, params, x, y, jaxbundle.with_eot([pgd], 2), eps=eps,
-                       goals=("misclassify",))
+    checked = evaluate(ignores, params, (x, y),
+                       plan.replace(attacks=tuple(jaxbundle.with_eot([pgd], 2)), batch_size=250))
     assert not checked.metrics["checks"]["randomness"]["passed"]
     with pytest.raises(ValueError, match="eot=2 but the model is deterministic"):
-        evaluate(linear_apply, params, x, y, jaxbundle.with_eot([pgd], 2), eps=eps)
+        evaluate(linear_apply, params, (x, y),
+                 Plan(eps=eps, attacks=tuple(jaxbundle.with_eot([pgd], 2))))
 
 
 def test_randomized_demo_defence_transform():
