@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxbundle import Plan, evaluate
 from jaxbundle import attacks as attacks_lib
 from jaxbundle import checks, suites
-from jaxbundle.evaluate import evaluate
 from jaxbundle.report import check_lines, markdown
 from toys import images, linear_apply, linear_problem, min_distance
 
@@ -21,8 +21,8 @@ def _problem(n=32, seed=2):
 
 
 def _run(apply_fn, params, x, y, eps, bundle):
-    return evaluate(apply_fn, params, x, y, bundle, eps=eps, mesh=None, batch_size=16,
-                    judging="float")
+    plan = Plan(eps=eps, attacks=tuple(bundle), batch_size=16, judging="float")
+    return evaluate(apply_fn, params, (x, y), plan, mesh=None)
 
 
 def _failed(result) -> set[str]:
@@ -127,11 +127,11 @@ def test_a_model_that_keeps_state_across_calls_is_flagged():
     assert got["probabilities"].passed
 
 
-@pytest.mark.parametrize("schedule", ["full", "cascade"])
-def test_checks_in_the_report(schedule, tmp_path):
+@pytest.mark.parametrize("mode", ["full", "cascade"])
+def test_checks_in_the_report(mode, tmp_path):
     params, x, y, eps = _problem()
-    r = evaluate(linear_apply, params, x, y, (attacks_lib.fgsm("linf"),), eps=eps, mesh=None,
-                 schedule=schedule)
+    r = evaluate(linear_apply, params, (x, y),
+                 Plan(eps=eps, attacks=(attacks_lib.fgsm("linf"),), mode=mode), mesh=None)
     report = {"config": {}, "models": {"m": dict(r.metrics, figures={})}}
     text = markdown(report)
     assert "| check | passed | saw | means / try |" in text
