@@ -406,8 +406,7 @@ def test_a_new_goal_is_one_record(monkeypatch):
     """A goal registered in GOALS alone is tracked, judged in the ball, and reported: nothing
     else in the library names it. "min_margin_win" keeps the misclassified candidate within
     eps of smallest margin (an adversarial example closest to the boundary)."""
-    from jaxbundle import attacks
-    from jaxbundle.evaluate import evaluate
+    from jaxbundle import Plan, attacks, evaluate
     from toys import images, linear_apply, linear_problem, min_distance
 
     def take(best, cand, eps):
@@ -423,8 +422,10 @@ def test_a_new_goal_is_one_record(monkeypatch):
     monkeypatch.setitem(goals.GOALS, record.name, record)
     params, x, y = linear_problem(n=12, k=3, seed=4)
     eps = float(np.quantile(min_distance(params, x, y, "linf"), 0.7))
-    ev = evaluate(linear_apply, params, images(x), y, [attacks.pgd(steps=6, restarts=2)],
-                  eps=eps, goals=("misclassify", "min_margin_win"), mesh=None, seed=0)
+    plan = Plan(eps=eps, attacks=(attacks.pgd(steps=6, restarts=2),),
+                goals=("misclassify", "min_margin_win"), seed=0)
+    ev = evaluate(linear_apply, params, (images(x), y), plan, mesh=None)
+    assert ev.metrics["goals"] == ["misclassify", "min_margin_win"]
     pe = ev.per_example
     win = pe["smallest_winning_margin"]
     fooled = pe["success"].astype(bool)
