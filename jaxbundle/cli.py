@@ -155,7 +155,8 @@ def _parser() -> argparse.ArgumentParser:
         "--bundle",
         choices=tuple(BUNDLES),
         default="default",
-        help="named bundle of attacks (see jaxbundle.suites and `jaxbundle attacks`)",
+        help="named bundle of attacks, a plan with its own schedule (see jaxbundle.bundles and "
+        "`jaxbundle attacks`)",
     )
     threat.add_argument(
         "--attacks",
@@ -167,7 +168,8 @@ def _parser() -> argparse.ArgumentParser:
         "--steps", type=_positive_int, default=None, help="iterations of every iterative attack"
     )
     threat.add_argument(
-        "--restarts", type=_positive_int, default=None, help="random restarts of PGD / APGD"
+        "--restarts", type=_positive_int, default=None,
+        help="random restarts of PGD and untargeted APGD (APGD-T's restarts are its targets)"
     )
     threat.add_argument(
         "--queries", type=_positive_int, default=None, metavar="Q",
@@ -188,7 +190,7 @@ def _parser() -> argparse.ArgumentParser:
         "--schedule", choices=("full", "cascade"), default=None,
         help="full: every attack on every example (the many-attack table); cascade: each "
         "attack only on the examples not yet fooled (prioritisation, far cheaper); default: "
-        "the bundle's own (cascade for autoattack), else full",
+        "the bundle's own (cascade for default and autoattack), else full",
     )
     threat.add_argument(
         "--threshold", type=_positive_float, default=None,
@@ -318,7 +320,9 @@ def _describe(attacks) -> str:
 def _evaluate(args: argparse.Namespace, console: Console) -> None:
     from jaxbundle import data, job, models, presets
 
-    job.start_distributed(args.distributed, args.coordinator, args.num_processes, args.process_id)
+    if not args.dry_run:  # a dry run checks the command without joining the other processes
+        job.start_distributed(args.distributed, args.coordinator, args.num_processes,
+                              args.process_id)
     source = data.open_source(
         args.data, data_dir=args.data_dir, download=args.download, image_size=args.image_size
     )
@@ -341,13 +345,12 @@ def _evaluate(args: argparse.Namespace, console: Console) -> None:
                           "data": {"name": source.name, "n": len(source)},
                           "models": demo_names + list(args.model)}, indent=2))
         return
-    config = {"threat_model": preset}
     cache = args.cache_dir or str(models.default_cache_dir())
     with job.compilation_cache(None if args.no_compile_cache else os.path.join(cache, "xla")):
         path, _ = job.run_job(
             refs, source, plan, out=args.out, shifts=not args.no_shifts,
             checkpoint_dir=args.checkpoint_dir, save_images=args.save_images,
-            best_effort=args.best_effort, surrogates=surrogates, config=config,
+            best_effort=args.best_effort, surrogates=surrogates, threat_model=preset,
             console=console, show_progress=not args.no_progress,
         )
     if path is not None:

@@ -241,7 +241,7 @@ def run_job(
     plan: Plan,
     *,
     out: str,
-    config: dict | None = None,
+    threat_model: dict | None = None,
     console: Any = None,
     show_progress: bool = True,
     **options: Any,
@@ -255,7 +255,8 @@ def run_job(
         deterministic model without the plan's stochastic options, which are for the
         stochastic ones).
       out: the report directory.
-      config: what the report's ``config`` records besides what this function knows.
+      threat_model: the preset the threat model came from (:func:`jaxbundle.presets.resolve`),
+        for the report's ``config``.
       console: a ``rich`` console to print progress and the tables on (process 0).
       show_progress: progress bars on ``console``.
       options: the fields of :class:`JobOptions` (``shifts``, ``checkpoint_dir``,
@@ -292,9 +293,9 @@ def run_job(
         return None, results
     if console is not None:
         print_tables(console, results)
-    record = dict(config or {})
-    record.update(
-        plan=plan.describe(), dataset=source.name, n=len(source), models=names,
+    record = schema.config_record(
+        threat_model=threat_model, plan=plan.describe(),
+        dataset=source.name, n=len(source), models=names,
         model_origins={m.name: m.origin for m in models},
         surrogates={m.name: m.origin for m in job.surrogates}, best_effort=job.best_effort,
         shifts=job.shifts, processes=jax.process_count(), devices=jax.device_count(),

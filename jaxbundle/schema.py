@@ -19,9 +19,27 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["MODEL_FIELDS", "PER_EXAMPLE", "SCHEMA_VERSION", "model_record", "with_extras"]
+__all__ = ["CONFIG_FIELDS", "MODEL_FIELDS", "PER_EXAMPLE", "SCHEMA_VERSION", "config_record",
+           "markdown_tables", "model_record", "with_extras"]
 
 SCHEMA_VERSION = 2
+
+# The run's config: (field, what it holds)
+CONFIG_FIELDS: tuple[tuple[str, str], ...] = (
+    ("threat_model", "{preset, reference, overridden}: the preset the threat model came from "
+     "(the CLI; null from Python)"),
+    ("plan", "the plan (jaxbundle.Plan.describe()); each model's record holds the plan as run on "
+     "it (a deterministic model: without the stochastic options)"),
+    ("dataset", "the data source's name"),
+    ("n", "examples"),
+    ("models", "the models' names, in order"),
+    ("model_origins", "{model: demo:NAME or MODULE:FUNCTION}"),
+    ("surrogates", "{surrogate: origin} (--surrogate)"),
+    ("best_effort", "whether RoBIC's best-effort mode ran"),
+    ("shifts", "whether the natural shifts were measured"),
+    ("processes", "jax.process_count()"),
+    ("devices", "jax.device_count()"),
+)
 
 # (field, what it holds, when it is null)
 MODEL_FIELDS: tuple[tuple[str, str, str], ...] = (
@@ -123,6 +141,7 @@ PER_EXAMPLE: tuple[tuple[str, str], ...] = (
 )
 
 _FIELDS = tuple(f[0] for f in MODEL_FIELDS)
+_CONFIG = tuple(f[0] for f in CONFIG_FIELDS)
 _FROM_EVALUATION = _FIELDS[: _FIELDS.index("model")]
 
 
@@ -144,3 +163,25 @@ def with_extras(record: dict, **extras: Any) -> dict:
     if unknown:
         raise ValueError(f"fields {unknown} are not in the report schema (jaxbundle.schema)")
     return dict(record, **extras)
+
+
+def config_record(**fields: Any) -> dict:
+    """The report's ``config``: exactly the fields of :data:`CONFIG_FIELDS`, in order."""
+    if set(fields) != set(_CONFIG):
+        raise ValueError(f"config fields {sorted(set(fields) ^ set(_CONFIG))} do not match the "
+                         "report schema (jaxbundle.schema)")
+    return {name: fields[name] for name in _CONFIG}
+
+
+def markdown_tables() -> str:
+    """The schema as Markdown tables (docs/report.md shows exactly these)."""
+    cell = lambda text: text.replace("|", "\\|")  # noqa: E731
+    lines = [f"`report.json` (`schema_version` {SCHEMA_VERSION}): `schema_version`, "
+             "`jaxbundle_version`, `config`, `models` (one record per model).", "",
+             "| `config` field | holds |", "|---|---|"]
+    lines += [f"| `{name}` | {cell(text)} |" for name, text in CONFIG_FIELDS]
+    lines += ["", "| model field | holds | null when |", "|---|---|---|"]
+    lines += [f"| `{name}` | {cell(text)} | {cell(null)} |" for name, text, null in MODEL_FIELDS]
+    lines += ["", "| per-example array (`<model>.npz`) | holds |", "|---|---|"]
+    lines += [f"| `{name}` | {cell(text)} |" for name, text in PER_EXAMPLE]
+    return "\n".join(lines) + "\n"

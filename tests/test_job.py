@@ -24,6 +24,7 @@ import numpy as np
 import optax
 import pytest
 
+import jaxbundle
 from jaxbundle import cli, data, job, presets
 
 USER_MODULE = textwrap.dedent('''
@@ -213,7 +214,7 @@ def test_user_model_on_tfds_data_with_saved_images(user, tmp_path, capsys, monke
     assert m["n_examples"] == 96 and m["data"]["name"] == "tfds:tiny_digits/test"
     with np.load(out / m["per_example"]) as pe:
         per_example = dict(pe)
-    from jaxbundle.evaluate import load_images
+    from jaxbundle.evaluation import load_images
 
     x_adv, ids = load_images(str(out / "adversarial" / "model"))
     np.testing.assert_array_equal(ids, np.arange(96))
@@ -255,7 +256,7 @@ def test_user_errors_are_one_line(user, tmp_path, capsys, monkeypatch):
         (["--model", "cnn=gray_cnn.py:model", "--data", "npz:digits.npz"], "no threat-model"),
         (["--data", "sql:db"], "unknown data source"),
         (["--model", "cnn=gray_cnn.py:model", "--data", "npz:digits.npz", "--eps", "0.1",
-          "--attacks", "fgsm", "--queries", "100"], "no attack of this run has one"),
+          "--attacks", "fgsm", "--queries", "100"], "no attack of this plan has one"),
     ]
     for flags, message in cases:
         code, _, err = _main(user, capsys, monkeypatch, *flags, "--out", str(tmp_path / "never"))
@@ -364,12 +365,10 @@ def test_run_job_as_a_library_call(user, tmp_path):
     source = data.head(data.open_source(f"npz:{user['root'] / 'digits.npz'}"), 32)
     model = job.ModelRef("mine", lambda progress: (apply_fn, params), "test")
     surrogate = job.ModelRef("copy", lambda progress: (apply_fn, params), "test")
-    from jaxbundle import suites
-
-    attacks = (suites.attack("pgd-ce", "linf", steps=10),)
+    plan = jaxbundle.Plan(eps=0.1, attacks=("pgd-ce",), steps=10, batch_size=16)
     path, results = job.run_job(
-        [model], source, attacks, out=str(tmp_path / "lib"), eps=0.1, shifts=True,
-        best_effort=True, surrogates=[surrogate], batch_size=16,
+        [model], source, plan, out=str(tmp_path / "lib"), shifts=True,
+        best_effort=True, surrogates=[surrogate],
     )
     report = json.loads(open(path).read())
     m = report["models"]["mine"]
