@@ -1,10 +1,11 @@
-"""Named attacks and bundles (``jaxbundle.suites``) and the catalogue."""
+"""Named attacks (``jaxbundle.suites``), named bundles (``jaxbundle.bundles``) and the
+catalogue."""
 
 from __future__ import annotations
 
 import pytest
 
-from jaxbundle import attacks, suites
+from jaxbundle import Plan, attacks, bundles, suites
 
 
 def _family(name: str) -> attacks.AttackInfo:
@@ -38,23 +39,32 @@ def test_min_norm_attacks_feed_the_min_norm_goal():
         assert suites.attack(name, "linf").goal == "misclassify"
 
 
+@pytest.mark.parametrize("name", sorted(suites.ATTACKS))
+def test_an_attack_built_by_name_carries_that_name(name):
+    """One vocabulary: the name asked for is the name reported (``apgd-t5``, not ``apgd-t``)."""
+    norms = _family(name).norms
+    assert norms
+    for norm in norms:
+        assert suites.attack(name, norm).name == name
+
+
 def test_standard_bundle_contains_autoattacks_white_box_part():
-    standard = {a.name: a for a in suites.bundle_attacks("standard", "linf")}
+    standard = {a.name: a for a in bundles.bundle_attacks("standard", "linf")}
     assert standard["apgd-ce"].config.loss == "ce" and standard["apgd-ce"].num_steps == 100
     t = standard["apgd-t"]
     assert t.config.loss == "dlr-targeted" and t.num_restarts == 9 and t.num_steps == 100
     assert "fmn" in standard
-    fast = suites.bundle_attacks("fast", "l2")
+    fast = bundles.bundle_attacks("fast", "l2")
     assert sum(a.gradients for a in fast) < sum(a.gradients for a in standard.values()) / 5
 
 
 def test_overrides_and_norm_specific_members():
-    pgd = suites.bundle_attacks("pgd", "linf", steps=7, restarts=2)
+    pgd = bundles.bundle_attacks("pgd", "linf", steps=7, restarts=2)
     assert [a.name for a in pgd] == ["fgsm", "pgd-ce", "pgd-margin"]
     assert all(a.num_steps == 7 and a.num_restarts == 2 for a in pgd[1:])
-    assert suites.bundle_attacks("pgd", "linf")[1].num_restarts == 3
-    linf = [a.name for a in suites.bundle_attacks("min-norm", "linf")]
-    l2 = [a.name for a in suites.bundle_attacks("min-norm", "l2")]
+    assert bundles.bundle_attacks("pgd", "linf")[1].num_restarts == 3
+    linf = [a.name for a in bundles.bundle_attacks("min-norm", "linf")]
+    l2 = [a.name for a in bundles.bundle_attacks("min-norm", "l2")]
     assert "bp-variant" not in linf and "cw-l2-light" not in linf
     assert {"bp-variant", "cw-l2-light", "fmn"} <= set(l2)
 
@@ -63,7 +73,11 @@ def test_unknown_names_and_wrong_norms_are_clear_errors():
     with pytest.raises(ValueError, match="unknown attack 'cw'"):
         suites.attack("cw")
     with pytest.raises(ValueError, match="unknown bundle 'strong'"):
-        suites.bundle_attacks("strong")
+        bundles.bundle_attacks("strong")
+    with pytest.raises(ValueError, match="unknown bundle 'strong'"):
+        bundles.plan("strong", "linf", 0.3)
+    with pytest.raises(ValueError, match="bundle 'fast' needs the threat model's eps"):
+        bundles.plan("fast", "linf")
     with pytest.raises(ValueError, match="cw-l2.*'l2', not 'linf'"):
         suites.attack("cw-l2", "linf")
     with pytest.raises(ValueError, match="unknown norm"):
@@ -82,7 +96,7 @@ def test_autoattack_bundle_has_autoattacks_original_parameters():
     """AutoAttack's standard version: APGD-CE 100, APGD-T 9 x 100, FAB-T 9 x 100, Square 5,000
     queries with p_init 0.8 and the schedule not rescaled; run as a survivors-only cascade."""
     for norm in ("linf", "l2"):
-        aa = {a.name: a for a in suites.bundle_attacks("autoattack", norm)}
+        aa = {a.name: a for a in bundles.bundle_attacks("autoattack", norm)}
         assert list(aa) == ["apgd-ce", "apgd-t", "fab-t", "square-aa"]
         assert aa["apgd-ce"].num_steps == 100 and aa["apgd-ce"].num_restarts == 1
         assert aa["apgd-t"].num_restarts == 9 and aa["apgd-t"].num_steps == 100
@@ -91,7 +105,9 @@ def test_autoattack_bundle_has_autoattacks_original_parameters():
         sq = aa["square-aa"]
         assert sq.queries == 5000 and sq.config.p_init == 0.8
         assert sq.config.rescale_schedule is False
-    assert suites.bundle_schedule("autoattack") == suites.Schedule("cascade")
+    assert bundles.BUNDLES["autoattack"].mode == "cascade"
+    plan = bundles.autoattack("linf", 0.3)
+    assert (plan.mode, plan.focus, plan.segments, plan.bundle) == ("cascade", (), 1, "autoattack")
 
 
 def test_default_bundle_is_a_focused_cascade_within_a_tenth_of_autoattacks_budget():
@@ -100,14 +116,15 @@ def test_default_bundle_is_a_focused_cascade_within_a_tenth_of_autoattacks_budge
     segments; on an example no attack fools it spends under a tenth of what AutoAttack spends
     (model passes: a gradient is a forward and a backward)."""
     for norm in ("linf", "l2"):
-        d = {a.name: a for a in suites.bundle_attacks("default", norm)}
-        assert list(d) == ["apgd-ce", "apgd-ce-long", "apgd-t", "square-aa"]
+        d = {a.name: a for a in bundles.bundle_attacks("default", norm)}
+        assert list(d) == ["apgd-ce", "apgd-ce-long", "apgd-t5", "square-aa"]
         assert d["apgd-ce"].num_steps == 20 and d["apgd-ce-long"].num_steps == 100
-        assert d["apgd-ce-long"].config.loss == "ce" and d["apgd-t"].num_restarts == 5
-        assert d["apgd-t"].num_steps == 40 and d["square-aa"].kind == "score-based"
-        focus = dict(suites.bundle_schedule("default").focus)
-        assert focus == {"apgd-ce-long": 0.5, "apgd-t": 0.5, "square-aa": 0.08}
-        aa = suites.bundle_attacks("autoattack", norm)
+        assert d["apgd-ce-long"].config.loss == "ce" and d["apgd-t5"].num_restarts == 5
+        assert d["apgd-t5"].config.loss == "dlr-targeted"
+        assert d["apgd-t5"].num_steps == 40 and d["square-aa"].kind == "score-based"
+        focus = bundles.default(norm, 0.3).focus_map
+        assert focus == {"apgd-ce-long": 0.5, "apgd-t5": 0.5, "square-aa": 0.08}
+        aa = bundles.bundle_attacks("autoattack", norm)
         assert set(focus) <= set(d)
 
         def passes(attack):
@@ -115,7 +132,24 @@ def test_default_bundle_is_a_focused_cascade_within_a_tenth_of_autoattacks_budge
 
         mine = sum(passes(a) * focus.get(a.name, 1.0) for a in d.values())
         assert mine < sum(passes(a) for a in aa) / 10
-    assert suites.bundle_schedule("default").mode == "cascade"
-    assert suites.bundle_schedule("default").segments == 6
-    assert suites.bundle_schedule("pgd") == suites.Schedule()
-    assert "fmn" in {a.name for a in suites.bundle_attacks("broad", "linf")}
+    default = bundles.default("linf", 0.3)
+    assert (default.mode, default.segments, default.bundle) == ("cascade", 6, "default")
+    assert bundles.BUNDLES["default"].segments == 6
+    pgd = bundles.pgd("linf", 0.3)
+    assert (pgd.mode, pgd.focus, pgd.segments) == ("full", (), 1)
+    assert "fmn" in {a.name for a in bundles.bundle_attacks("broad", "linf")}
+
+
+def test_a_bundle_is_a_plan_whose_fields_can_be_changed():
+    """``bundles.plan(name, norm, eps, **fields)`` is the bundle's checked plan with ``fields``
+    changed; its attacks are the ones ``bundle_attacks`` builds, and a bad field is refused."""
+    plan = bundles.plan("pgd", "linf", 0.3, steps=7, seed=2)
+    assert isinstance(plan, Plan) and (plan.eps, plan.norm, plan.seed) == (0.3, "linf", 2)
+    assert plan.attack_values() == bundles.bundle_attacks("pgd", "linf", steps=7)
+    assert bundles.fast("l2", 0.5) == bundles.plan("fast", "l2", 0.5)
+    assert [a.name for a in bundles.broad("l2", 0.5).attack_values()] == [
+        "fgsm", "pgd-ce", "pgd-margin", "fmn", "square", "surfree"]
+    with pytest.raises(ValueError, match="focus is a cascade setting"):
+        bundles.pgd("linf", 0.3, focus={"fgsm": 0.5})
+    with pytest.raises(ValueError, match="segments must be a positive integer, got 0"):
+        bundles.default("linf", 0.3, segments=0)
