@@ -11,7 +11,8 @@ import pytest
 
 from jaxbundle import attacks, norms
 from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel
-from jaxbundle.bundler import bundle, check_inputs
+from jaxbundle.bundler import bundle
+from jaxbundle.validation import check_inputs
 from jaxbundle.judge import quantize_min_norm
 from jaxbundle.metrics import Counts, Setting
 from toys import KEY, images, linear_apply, linear_problem, min_distance
@@ -269,6 +270,9 @@ def test_min_norm_candidates_survive_rounding_to_the_grid():
 def test_input_check_traces_the_model_once_per_model_and_shapes():
     """check_inputs remembers the model's output shape: no re-trace per bundle() call, but a
     new parameter shape or batch shape is traced again and judged on its own classes."""
+    from jaxbundle import bundler
+
+    assert bundler.check_inputs is check_inputs  # the bundler's checks live in validation
     traces = []
 
     def counting_apply(params, x):
