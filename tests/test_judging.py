@@ -19,9 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxbundle import attacks, bundle, data, judge, models, norms, suites
+from jaxbundle import Plan, attacks, bundle, bundles, data, evaluate, judge, models, norms
 from jaxbundle.attacks.base import Attack, Candidate
-from jaxbundle.evaluate import evaluate
 from toys import KEY, images, linear_apply, linear_problem
 
 N = 160  # test images per setting
@@ -63,7 +62,7 @@ def recheck(apply_fn, params, x0, ev, eps, norm):
 
 def fast(norm):
     """The `fast` bundle and Square on the grid (a black-box attack that searches on it)."""
-    return suites.bundle_attacks("fast", norm) + (attacks.square(norm, queries=100),)
+    return bundles.bundle_attacks("fast", norm) + (attacks.square(norm, queries=100),)
 
 
 # (model, norm, eps): eps on a pixel level and between levels, where the model is neither
@@ -87,8 +86,9 @@ def test_judged_robust_accuracy_matches_float32(trained, digits, model, norm, ep
     apply_fn, params = trained[model]
     sets, y = digits
     run = lambda x, judging, e=eps: evaluate(  # noqa: E731
-        apply_fn, params, x, y, fast(norm), eps=e, norm=norm, goals=("misclassify",),
-        judging=judging, batch_size=N, seed=1,
+        apply_fn, params, (x, y),
+        Plan(eps=e, norm=norm, attacks=fast(norm), goals=("misclassify",), judging=judging,
+             batch_size=N, seed=1),
     )
     on, flt = run(sets["on-grid"], "auto"), run(sets["on-grid"], "float")
     assert on.metrics["judging"]["grid_examples"] == N
@@ -145,8 +145,9 @@ def test_linf_rounding_of_off_grid_images_keeps_their_successes(trained, digits,
     apply_fn, params = trained["adversarial" if eps > 0.1 else "standard"]
     sets, y = digits
     x0 = sets["off-grid"]
-    ev = evaluate(apply_fn, params, x0, y, suites.bundle_attacks("fast", "linf"), eps=eps,
-                  goals=("misclassify",), judging="float", batch_size=N)
+    ev = evaluate(apply_fn, params, (x0, y),
+                  bundles.fast("linf", eps, goals=("misclassify",), judging="float",
+                               batch_size=N))
     ok = ev.per_example["success"]
     assert ok.sum() >= 20, "the setting must have successes to lose"
     rounded = norms.quantize(jnp.asarray(ev.per_example["x_adv"]), jnp.asarray(x0), eps, "linf")
@@ -181,11 +182,10 @@ def test_a_flax_conv_model_on_resized_images(trained, norm, eps):
     up = jax.image.resize(test.x, (64, 32, 32, 1), "bilinear")
     x = np.clip(np.asarray(jax.image.resize(up, (64, 28, 28, 1), "bilinear")), 0, 1)
     rounded = (np.round(x * 255) / np.float32(255)).astype(np.float32)
-    bundle_ = suites.bundle_attacks("fast", norm)
+    plan = bundles.fast(norm, eps, goals=("misclassify",), batch_size=64)
     fooled = {}
     for name, images_ in (("resized", x), ("rounded", rounded)):
-        ev = evaluate(apply_fn, params, images_, test.y, bundle_, eps=eps, norm=norm,
-                      goals=("misclassify",), batch_size=64)
+        ev = evaluate(apply_fn, params, (images_, test.y), plan)
         expected_grid = 0 if name == "resized" else 64
         assert ev.metrics["judging"]["grid_examples"] == expected_grid
         fooled[name] = recheck(apply_fn, params, images_, ev, eps, norm)
@@ -357,10 +357,11 @@ def test_colour_images_judged_like_float32_at_the_grid_radius(norm, eps):
     x = (rng.integers(0, 256, (32, 32, 32, 3)) / 255).astype(np.float32)
     params = module.init(jax.random.key(0), x[:1])
     y = np.asarray(jnp.argmax(module.apply(params, x), axis=1)).astype(np.int32)
-    bundle_ = [attacks.apgd(norm, steps=10), attacks.square(norm, queries=50)]
+    bundle_ = (attacks.apgd(norm, steps=10), attacks.square(norm, queries=50))
     run = lambda images_, e, judging: evaluate(  # noqa: E731
-        module.apply, params, images_, y, bundle_, eps=e, norm=norm, goals=("misclassify",),
-        judging=judging, batch_size=32)
+        module.apply, params, (images_, y),
+        Plan(eps=e, norm=norm, attacks=bundle_, goals=("misclassify",), judging=judging,
+             batch_size=32))
     radius = norms.grid_radius(eps, norm)
     judged, at_radius = run(x, eps, "auto"), run(x, radius, "float")
     assert judged.metrics["judging"]["grid_examples"] == 32
