@@ -105,13 +105,7 @@ def _csv(text: str) -> list[str]:
     return items
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="jaxbundle", description="Per-example bundled robustness evaluation for JAX models."
-    )
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    ev = sub.add_parser("evaluate", help="evaluate models on a dataset and write a report")
+def _data_flags(ev: argparse.ArgumentParser) -> None:
     what = ev.add_argument_group("models and data")
     what.add_argument(
         "--model", action="append", default=[], metavar="[NAME=]MODULE:FUNCTION",
@@ -140,6 +134,9 @@ def _parser() -> argparse.ArgumentParser:
         "--n", type=_positive_int, default=None,
         help="first N examples (default: 1000 of mnist-sample, else all)",
     )
+
+
+def _threat_flags(ev: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     threat = ev.add_argument_group("threat model and attacks")
     threat.add_argument(
         "--preset", choices=tuple(PRESETS), default=None,
@@ -211,6 +208,10 @@ def _parser() -> argparse.ArgumentParser:
         help="cascade: run each attack's steps in N segments; an example fooled in one stops "
         "there (default: the bundle's own, 6 for default, else 1)",
     )
+    return threat
+
+
+def _stochastic_flags(ev: argparse.ArgumentParser, threat: argparse._ArgumentGroup) -> None:
     random = ev.add_argument_group(
         "stochastic models (randomised defences; see jaxbundle.sampling)")
     random.add_argument(
@@ -236,6 +237,9 @@ def _parser() -> argparse.ArgumentParser:
         help="a model the attacker owns (or a demo model's name): adds transfer bundling from "
         "it (repeatable)",
     )
+
+
+def _run_flags(ev: argparse.ArgumentParser) -> None:
     run = ev.add_argument_group("running")
     run.add_argument("--seed", type=int, default=None, help="example i draws from "
                      "fold_in(key(seed), i) (default 0)")
@@ -282,6 +286,18 @@ def _parser() -> argparse.ArgumentParser:
     dist.add_argument("--num-processes", type=_positive_int, help="number of processes")
     dist.add_argument("--process-id", type=int, help="this process's index, from 0")
 
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jaxbundle", description="Per-example bundled robustness evaluation for JAX models."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    ev = sub.add_parser("evaluate", help="evaluate models on a dataset and write a report")
+    _data_flags(ev)
+    _stochastic_flags(ev, _threat_flags(ev))
+    _run_flags(ev)
     cmp = sub.add_parser("compare", help="compare models of one or more reports side by side")
     cmp.add_argument("reports", nargs="+", help="report directories or report.json files")
     cmp.add_argument("--markdown", action="store_true", help="print a Markdown table")

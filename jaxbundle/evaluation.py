@@ -186,8 +186,8 @@ def evaluate(
 ) -> Evaluation:
     """Evaluates a model under a plan: what ``jaxbundle evaluate`` runs for each model.
 
-    Host memory holds a batch at a time plus the small per-example arrays (a few numbers per
-    example and attack); the adversarial images go to ``images_dir`` as they are made.
+    Host memory holds a batch at a time plus the small per-example arrays; the adversarial
+    images go to ``images_dir`` as they are made.
 
     Args:
       apply_fn: ``apply_fn(params, x) -> logits`` for images ``[B, H, W, C]`` in [0, 1], or a
@@ -201,8 +201,7 @@ def evaluate(
         sharding) or a 1-D ``Mesh`` whose axis is named ``"batch"``; the plan's batch size must
         divide evenly over it. Each process reads only the rows its own devices take.
       checkpoint_dir: save after every batch and resume from there on a rerun, in a new process
-        too (written by process 0; every process reads it); a changed plan, model or data is
-        refused.
+        too; a changed plan, model or data is refused.
       images_dir: the judged adversarial images of batch ``b`` go to
         ``images_dir/adversarial-{b:06d}.npz`` (``x_adv``, ``example_id``; by process 0).
       keep_images: also return them all in ``per_example["x_adv"]`` (default: when the data is
@@ -214,29 +213,14 @@ def evaluate(
       An :class:`Evaluation`. Adversarial images are uint8 when every clean image is stored on
       the 8-bit grid and judged there, else float32 (the judged images exactly).
     """
-    if not isinstance(plan, Plan):
-        raise TypeError(f"plan must be a jaxbundle.Plan (e.g. jaxbundle.bundles.default(norm, "
-                        f"eps)), got {type(plan).__name__}")
-    plan.check()
-    source = _as_source(data, plan, apply_fn, params)
+    source = _as_source(data, _checked(plan), apply_fn, params)
     run = _start(apply_fn, params, source, plan, mesh)
     if keep_images is None:
         keep_images = bool(getattr(source, "in_memory", False))
     uint8_images = _stored_on_grid(source, plan.judging)
-    state = _empty_state(run, uint8_images)
-    ckpt_path = identity = None
-    for directory in (checkpoint_dir, images_dir):
-        if directory is not None:
-            os.makedirs(directory, exist_ok=True)
-    if checkpoint_dir is not None:
-        identity = _identity(run, apply_fn, params, keep_images)
-        ckpt_path = os.path.join(checkpoint_dir, "checkpoint.npz")
-        state = checkpoint.load(ckpt_path, identity, state)
-        if jax.process_count() > 1:
-            multihost_utils.assert_equal(
-                state.batches_done, f"processes resume from different batches: {ckpt_path} "
-                "must be on a file system that every process shares"
-            )
+    if images_dir is not None:
+        os.makedirs(images_dir, exist_ok=True)
+    state, ckpt = _resume(run, apply_fn, params, keep_images, uint8_images, checkpoint_dir)
     lead = jax.process_index() == 0
     total = data_lib.num_batches(run.n, run.plan.batch_size)
     model_checks = None  # they run on this process's rows of the first batch, unsharded params
@@ -254,8 +238,8 @@ def evaluate(
         if keep_images:
             outputs["x_adv"] = x_adv
         state = _add_batch(state, counts, outputs, stage_counts, x_adv, gallery)
-        if ckpt_path is not None and lead:
-            checkpoint.save(ckpt_path, identity, state)
+        if ckpt is not None and lead:
+            checkpoint.save(*ckpt, state)
         if progress is not None:
             progress(index + 1, total)
     if model_checks is None:  # resumed: the first batch came from the checkpoint
@@ -267,6 +251,32 @@ def evaluate(
     return Evaluation(metrics=metrics, per_example=per_example,
                       attack_names=tuple(a.name for a in run.model.attacks),
                       gallery=_gallery(source, state))
+
+
+def _resume(run: _Run, apply_fn: Callable, params: Any, keep_images: bool, uint8_images: bool,
+            checkpoint_dir: str | None) -> tuple[checkpoint.State, tuple[str, str] | None]:
+    """The state to start from (a checkpoint's, if it is this run's) and where to save it:
+    ``(path, identity)``, or None without a checkpoint directory."""
+    state = _empty_state(run, uint8_images)
+    if checkpoint_dir is None:
+        return state, None
+    os.makedirs(checkpoint_dir, exist_ok=True)
+    identity = _identity(run, apply_fn, params, keep_images)
+    path = os.path.join(checkpoint_dir, "checkpoint.npz")
+    state = checkpoint.load(path, identity, state)
+    if jax.process_count() > 1:
+        multihost_utils.assert_equal(
+            state.batches_done, f"processes resume from different batches: {path} must be on "
+            "a file system that every process shares"
+        )
+    return state, (path, identity)
+
+
+def _checked(plan: Any) -> Plan:
+    if not isinstance(plan, Plan):
+        raise TypeError(f"plan must be a jaxbundle.Plan (e.g. jaxbundle.bundles.default(norm, "
+                        f"eps)), got {type(plan).__name__}")
+    return plan.check()
 
 
 def _identity(run: _Run, apply_fn: Callable, params: Any, keep_images: bool) -> str:

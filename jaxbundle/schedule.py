@@ -171,8 +171,9 @@ def _put(a, rows, values):
 
 
 class _Batch(NamedTuple):
-    """What every stage of one cascade shares: the batch, and how it is attacked and judged."""
+    """What every stage of one cascade shares: the plan, the batch and how it is read."""
 
+    plan: Plan
     apply_fn: Callable[[Any, jax.Array], jax.Array]
     params: Any
     x: jax.Array
@@ -181,13 +182,7 @@ class _Batch(NamedTuple):
     example_id: jax.Array
     eps: jax.Array  # [B] the threat model's radius
     eps_aimed: jax.Array  # [B] the radius the attacks aim at (on the grid: whole levels)
-    norm: str
     goal_names: tuple[str, ...]
-    judging: str
-    unroll: int | bool
-    restart_mode: str
-    goal: str
-    threshold: float | None
     sizes: tuple[int, ...]  # bucket sizes
     host: Callable[[Any], Any]  # reads device arrays on the host
 
@@ -205,6 +200,24 @@ class _Outcome(NamedTuple):
     row_steps: int
 
 
+class _AttackRows(NamedTuple):
+    """Each attack's rows of the result ``[A, B]``, filled in stage by stage."""
+
+    success: jax.Array
+    distortion: jax.Array
+    best_step: jax.Array  # -2: did not run
+    improving: jax.Array
+
+    @classmethod
+    def empty(cls, attacks: int, batch: int) -> "_AttackRows":
+        return cls(jnp.zeros((attacks, batch), bool),
+                   jnp.full((attacks, batch), jnp.inf, jnp.float32),
+                   jnp.full((attacks, batch), -2, jnp.int32), jnp.zeros((attacks, batch), bool))
+
+    def set(self, k: int, out: "_Outcome") -> "_AttackRows":
+        return _AttackRows(*(getattr(self, f).at[k].set(getattr(out, f)) for f in self._fields))
+
+
 def _padded(order: np.ndarray, size: int) -> np.ndarray:
     """``order`` padded to ``size`` rows by repeating its last entry."""
     return np.concatenate([order, np.full(size - order.size, order[-1])]).astype(np.int32)
@@ -217,8 +230,8 @@ def _whole_stage(b: _Batch, attack: Attack, k: int, order: np.ndarray, best, suc
     sub_x, sub_y, sub_id, sub_eps = _take((b.x, b.y, b.example_id, b.eps), rows)
     found = _bundle(
         b.params, sub_x, sub_y, b.key, sub_id, sub_eps, apply_fn=b.apply_fn, attacks=(attack,),
-        goal_names=b.goal_names, norm=b.norm, judging=b.judging, unroll=b.unroll,
-        restart_mode=b.restart_mode, indices=(k,),
+        goal_names=b.goal_names, norm=b.plan.norm, judging=b.plan.judging, unroll=b.plan.unroll,
+        restart_mode=b.plan.restart_mode, indices=(k,),
     )
     steps = np.zeros(b.y.shape[0], np.int64)
     steps[order] = attack.num_steps
@@ -239,7 +252,7 @@ def _segmented_stage(b: _Batch, attack: Attack, k: int, order: np.ndarray, best,
     the size of the current one once they fit (fewer shapes to compile), else they go on in
     place."""
     static = dict(apply_fn=b.apply_fn, attack=attack, index=k, goal_names=b.goal_names,
-                  norm=b.norm, judging=b.judging, restart_mode=b.restart_mode)
+                  norm=b.plan.norm, judging=b.plan.judging, restart_mode=b.plan.restart_mode)
     rows = _padded(order, _bucket(b.sizes, order.size))
     sub = _take((b.x, b.y, b.example_id, b.eps), rows)
     running = bundler.start_stage(b.params, sub[0], sub[1], b.key, sub[2], sub[3], **static)
@@ -273,7 +286,7 @@ def _segmented_stage(b: _Batch, attack: Attack, k: int, order: np.ndarray, best,
         improving = _put(improving, merged_rows, found_improving)
         if last:
             break
-        done, _ = b.host(_status(best, b.eps, b.goal, b.threshold, False))  # 1 sync
+        done, _ = b.host(_status(best, b.eps, b.plan.goal, b.plan.threshold, False))  # 1 sync
         live &= ~done[rows]
         if not live.any():
             break
@@ -285,6 +298,32 @@ def _segmented_stage(b: _Batch, attack: Attack, k: int, order: np.ndarray, best,
             sub = _take(sub, jnp.asarray(positions))
             live = np.arange(size) < int(live.sum())
     return _Outcome(best, success, distortion, best_step, improving, steps, row_steps)
+
+
+def _run_stage(b: _Batch, attack: Attack, *args) -> _Outcome:
+    """Stage ``attack`` in the plan's segments, or whole: an attack whose goal is never
+    satisfied (min-norm: a smaller distortion is always better) is never done early."""
+    segments = b.plan.segments
+    never_done = any(goals_lib.GOALS[g].satisfied is None for g in (b.plan.goal, attack.goal))
+    if segments > 1 and attack.num_steps >= segments and not never_done:
+        return _segmented_stage(b, attack, *args, segments)
+    return _whole_stage(b, attack, *args)
+
+
+def _stage_rows(b: _Batch, attack: Attack, order: np.ndarray, closeness: np.ndarray,
+                fraction: float | None, left: float | None, spent: np.ndarray) -> np.ndarray:
+    """The rows stage ``attack`` runs on, of the survivors ``order``: with a focus fraction, the
+    most promising, as many as the bucket size nearest to ``fraction * survivors`` (no padding
+    rows, and on average the stage costs what the fraction asks); with a budget left, those the
+    budget pays for, the least run first."""
+    if fraction is not None and order.size:
+        keep = min(_nearest_bucket(b.sizes, fraction * order.size), order.size)
+        order = np.sort(order[np.argsort(-closeness[order], kind="stable")][:keep])
+    cost = attack.gradients + attack.queries
+    if left is not None and cost:
+        affordable = int(max(left, 0) // cost)
+        order = np.sort(order[np.argsort(spent[order], kind="stable")][:affordable])
+    return order
 
 
 def cascade(
@@ -305,14 +344,9 @@ def cascade(
     """Runs ``attacks`` on one batch as a cascade under ``plan`` (see the module docstring).
 
     Args:
-      plan: a checked :class:`jaxbundle.Plan`: its threat model, and its schedule's ``goal``
-        (whose satisfaction drops an example), ``threshold`` (the defender's confidence t for
-        ``max_confidence``), ``budget`` (model passes per example, on average over the real
-        rows, for the whole cascade), ``focus`` (attack name -> fraction in (0, 1]: that
-        attack runs only on the most promising ``fraction * survivors`` survivors,
-        :func:`promise`, rounded to a bucket size) and ``segments`` (each attack's steps in up
-        to this many equal segments; after each, the examples whose goal is satisfied stop
-        and the rest are compacted; 1: whole stages), ``unroll`` and ``restart_mode``.
+      plan: a checked :class:`jaxbundle.Plan`: its threat model and schedule (``goal``,
+        ``threshold``, ``budget``: model passes per example on average over the real rows,
+        ``focus``, ``segments``; see the module docstring), ``unroll``, ``restart_mode``.
       attacks: the plan's attacks as built for this model (EOT applied).
       apply_fn, params, x, y, key, example_id, eps: as in :func:`jaxbundle.bundler.bundle`.
       goal_names: the goals the bundle tracks (:func:`jaxbundle.bundler.goals_for`).
@@ -326,64 +360,35 @@ def cascade(
       and ``attack_distortion`` only where the attack ran; ``gradients`` / ``queries`` what
       each example really cost) and one :class:`Stage` per attack.
     """
-    attacks = tuple(attacks)
-    norm, judging, goal, threshold = plan.norm, plan.judging, plan.goal, plan.threshold
-    budget, focus, segments = plan.budget, plan.focus_map, plan.segments
-    unroll, restart_mode = plan.unroll, plan.restart_mode
-    batch = int(y.shape[0])
+    attacks, focus, batch = tuple(attacks), plan.focus_map, int(y.shape[0])
     real = np.ones(batch, bool) if mask is None else np.asarray(mask, bool)
     eps = jnp.broadcast_to(jnp.asarray(eps, jnp.float32), y.shape)
     best, clean, eps_aimed, grid = _start(
-        params, x, y, key, example_id, eps, apply_fn=apply_fn, goal_names=goal_names, norm=norm,
-        judging=judging,
+        params, x, y, key, example_id, eps, apply_fn=apply_fn, goal_names=goal_names,
+        norm=plan.norm, judging=plan.judging,
     )
-    b = _Batch(apply_fn, params, x, y, key, example_id, eps, eps_aimed, norm, goal_names,
-               judging, unroll, restart_mode, goal, threshold,
+    b = _Batch(plan, apply_fn, params, x, y, key, example_id, eps, eps_aimed, goal_names,
                bucket_sizes(batch, 1 if mesh is None else mesh.devices.size), _host_reader(mesh))
-    success = jnp.zeros((len(attacks), batch), bool)
-    distortion = jnp.full((len(attacks), batch), jnp.inf, jnp.float32)
-    best_step = jnp.full((len(attacks), batch), -2, jnp.int32)  # -2: did not run
-    improving = jnp.zeros((len(attacks), batch), bool)
+    rows = _AttackRows.empty(len(attacks), batch)
     spent = np.zeros(batch, np.int64)  # model passes per example so far (host)
     gradients = np.zeros(batch, np.int64)
     queries = np.zeros(batch, np.int64)
-    left = None if budget is None else float(budget) * int(real.sum())
+    left = None if plan.budget is None else float(plan.budget) * int(real.sum())
     stages = []
     for k, attack in enumerate(attacks):
-        fraction = focus.get(attack.name)
-        done, closeness = b.host(_status(best, eps, goal, threshold, fraction is not None))
-        order = np.flatnonzero(real & ~done)
-        if fraction is not None and order.size:
-            # The bucket size nearest to fraction * survivors: no padding rows, and on
-            # average the stage costs what the fraction asks.
-            keep = min(_nearest_bucket(b.sizes, fraction * order.size), order.size)
-            order = np.sort(order[np.argsort(-closeness[order], kind="stable")][:keep])
-        cost = attack.gradients + attack.queries
-        if left is not None and cost:
-            affordable = int(max(left, 0) // cost)
-            order = order[np.argsort(spent[order], kind="stable")][:affordable]
-            order.sort()
+        done, closeness = b.host(_status(best, eps, plan.goal, plan.threshold,
+                                         attack.name in focus))
+        order = _stage_rows(b, attack, np.flatnonzero(real & ~done), closeness,
+                            focus.get(attack.name), left, spent)
         if order.size == 0:
             stages.append(Stage(k, 0, 0, 0, 0))
             continue
-        args = (b, attack, k, order, best, success[k], distortion[k], best_step[k], improving[k])
-        # An attack whose goal is never satisfied (min-norm: a smaller distortion is always
-        # better) is never done early, so it runs whole.
-        never_done = any(goals_lib.GOALS[g].satisfied is None for g in (goal, attack.goal))
-        if segments > 1 and attack.num_steps >= segments and not never_done:
-            out = _segmented_stage(*args, segments)
-        else:
-            out = _whole_stage(*args)
-        best = out.best
-        success = success.at[k].set(out.success)
-        distortion = distortion.at[k].set(out.distortion)
-        best_step = best_step.at[k].set(out.best_step)
-        improving = improving.at[k].set(out.improving)
+        out = _run_stage(b, attack, k, order, best, *(r[k] for r in rows))
+        best, rows = out.best, rows.set(k, out)
         ran = np.zeros(batch, bool)
         ran[order] = True
         grads = attack.steps_gradients(out.steps)
-        asked = attack.steps_queries(out.steps)
-        asked = np.where(ran, asked, 0)
+        asked = np.where(ran, attack.steps_queries(out.steps), 0)
         spent += grads + asked
         gradients += grads
         queries += asked
@@ -391,11 +396,9 @@ def cascade(
             left -= float(np.sum(grads + asked))
         stages.append(Stage(k, int(order.size), -(-out.row_steps // max(attack.num_steps, 1)),
                             int(np.sum(grads[real])), int(np.sum(asked[real]))))
-    result = BundleResult(
-        best=best, clean=clean, attack_success=success, attack_distortion=distortion,
-        attack_step=best_step, attack_improving=improving,
-        gradients=jnp.asarray(gradients, jnp.int32),
-        queries=jnp.asarray(queries, jnp.int32),
+    return BundleResult(
+        best=best, clean=clean, attack_success=rows.success, attack_distortion=rows.distortion,
+        attack_step=rows.best_step, attack_improving=rows.improving,
+        gradients=jnp.asarray(gradients, jnp.int32), queries=jnp.asarray(queries, jnp.int32),
         judged_on_grid=grid,
-    )
-    return result, stages
+    ), stages
