@@ -115,7 +115,7 @@ def test_missing_kinds_and_curves_do_not_fail(tmp_path):
     m["black_box_robust_accuracy"] = None
     m["half_distortion"]["white_box"]["d_half"] = None
     m["half_distortion"]["bundled"]["d_half"] = math.inf
-    del m["failure_rate_curve"]
+    m["failure_rate_curve"] = None  # a report field that does not apply is null
     for name in METRIC_FIGURES:  # the failure-rate curve alone is gone entirely
         assert_png(getattr(plots, name)(m, tmp_path / f"{name}.png"), data=name != "failure_rate")
     # Nothing at all: each function still writes a panel saying there is no data.
@@ -124,6 +124,17 @@ def test_missing_kinds_and_curves_do_not_fail(tmp_path):
     x, per_example = make_per_example()
     per_example["success"][:] = False
     assert_png(plots.example_grid(x, per_example, tmp_path / "none.png"), data=False)
+
+
+def test_a_cascade_record_without_a_many_attack_table(tmp_path):
+    """A cascade's record has ``mat``, ``wat`` and ``wat_attack`` null (schema version 2): the
+    attack table still shows the bundled figures, and every figure is drawn."""
+    m = make_metrics()
+    m.update(mat=None, wat=None, wat_attack=None, black_box_robust_accuracy=None)
+    for name in METRIC_FIGURES:
+        assert_png(getattr(plots, name)(m, tmp_path / f"{name}.png"))
+    written = plots.write_all(m, None, None, tmp_path / "cascade", "")
+    assert list(written) == [n for n in plots.FIGURES if n != "example_grid"]
 
 
 def test_metrics_read_back_from_report_json_with_inf_strings(tmp_path):
@@ -143,7 +154,7 @@ def test_write_all_writes_what_has_data(tmp_path):
     assert sorted(os.listdir(tmp_path / "out")) == sorted(written.values())
 
     m = copy.deepcopy(make_metrics())
-    del m["failure_rate_curve"]
+    m["failure_rate_curve"] = None
     del m["operating_characteristic"]["black_box"]
     written = plots.write_all(m, None, None, tmp_path / "less", "")
     assert list(written) == [
