@@ -237,30 +237,22 @@ def summarise(model: dict[str, Check], flags: np.ndarray, attacks: Sequence[Atta
     unbounded = any(a.goal == "min_norm" for a in attacks)
     of = f"of {correct} correctly classified examples"
     out = dict(model)
-    out["zero_gradients"] = _check(
-        "zero_gradients", counts["zero_gradients"] == 0,
-        f"{counts['zero_gradients']} {of} have an all-zero input gradient",
-        counts["zero_gradients"])
-    if white and black:
-        out["black_box_beats_white_box"] = _check(
-            "black_box_beats_white_box", counts["black_box_beats_white_box"] == 0,
-            f"{counts['black_box_beats_white_box']} {of} were fooled by a black-box attack "
-            "and by no white-box attack", counts["black_box_beats_white_box"])
-    if bounded_white:
-        out["silent"] = _check(
-            "silent", counts["silent"] == 0,
-            f"on {counts['silent']} {of} a white-box attack failed without ever beating the "
-            "clean image's margin", counts["silent"])
-    if any(window_start(a) < a.num_steps for a in attacks):
-        out["still_improving"] = _check(
-            "still_improving", counts["still_improving"] == 0,
-            f"on {counts['still_improving']} {of} a white-box attack failed while its margin "
-            "was still rising over its last 10 % of steps", counts["still_improving"])
-    if unbounded:
-        out["unbounded_incomplete"] = _check(
-            "unbounded_incomplete", counts["unbounded_incomplete"] == 0,
-            f"a minimum-norm attack found no adversarial example for "
-            f"{counts['unbounded_incomplete']} {of}", counts["unbounded_incomplete"])
+    per_example = (  # (check, whether it applies to the bundle, what it saw)
+        ("zero_gradients", True, "{n} {of} have an all-zero input gradient"),
+        ("black_box_beats_white_box", white and black,
+         "{n} {of} were fooled by a black-box attack and by no white-box attack"),
+        ("silent", bounded_white, "on {n} {of} a white-box attack failed without ever beating "
+         "the clean image's margin"),
+        ("still_improving", any(window_start(a) < a.num_steps for a in attacks),
+         "on {n} {of} a white-box attack failed while its margin was still rising over its "
+         "last 10 % of steps"),
+        ("unbounded_incomplete", unbounded,
+         "a minimum-norm attack found no adversarial example for {n} {of}"),
+    )
+    for name, applies, saw in per_example:
+        if applies:
+            out[name] = _check(name, counts[name] == 0, saw.format(n=counts[name], of=of),
+                               counts[name])
     return {name: check._asdict() for name, check in out.items()}
 
 

@@ -111,24 +111,8 @@ def runner(plan: Plan) -> Runner:
         "apply_fn", "attacks", "goal_names", "norm", "judging", "unroll", "restart_mode", "mesh"
     ),
 )
-def _evaluate_batch(
-    params: Any,
-    x: jax.Array,
-    y: jax.Array,
-    key: jax.Array,
-    example_id: jax.Array,
-    mask: jax.Array,
-    eps: jax.Array,
-    *,
-    apply_fn: Callable[[Any, jax.Array], jax.Array],
-    attacks: tuple[Attack, ...],
-    goal_names: tuple[str, ...],
-    norm: str,
-    judging: str,
-    unroll: int | bool,
-    restart_mode: str,
-    mesh: Mesh | None,
-) -> tuple[Counts, dict[str, jax.Array]]:
+def _evaluate_batch(params, x, y, key, example_id, mask, eps, *, apply_fn, attacks, goal_names,
+                    norm, judging, unroll, restart_mode, mesh) -> tuple[Counts, dict]:
     """One batch: the bundle, its counts and its per-example outputs, in one program.
 
     With a mesh, every output is replicated on every device (the gather happens inside the

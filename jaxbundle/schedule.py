@@ -326,21 +326,10 @@ def _stage_rows(b: _Batch, attack: Attack, order: np.ndarray, closeness: np.ndar
     return order
 
 
-def cascade(
-    plan: Plan,
-    attacks: Sequence[Attack],
-    apply_fn: Callable[[Any, jax.Array], jax.Array],
-    params: Any,
-    x: jax.Array,
-    y: jax.Array,
-    key: jax.Array,
-    example_id: jax.Array,
-    eps: jax.Array,
-    *,
-    goal_names: tuple[str, ...],
-    mask: np.ndarray | None = None,
-    mesh: Any = None,
-) -> tuple[BundleResult, list[Stage]]:
+def cascade(plan: Plan, attacks: Sequence[Attack], apply_fn: Callable, params: Any,
+            x: jax.Array, y: jax.Array, key: jax.Array, example_id: jax.Array, eps: jax.Array,
+            *, goal_names: tuple[str, ...], mask: np.ndarray | None = None,
+            mesh: Any = None) -> tuple[BundleResult, list[Stage]]:
     """Runs ``attacks`` on one batch as a cascade under ``plan`` (see the module docstring).
 
     Args:

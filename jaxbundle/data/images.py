@@ -2,43 +2,12 @@
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
+
+from jaxbundle.validation import check_labels, check_pixels  # shared with the bundler
 
 __all__ = ["check_labels", "check_n", "check_pixels", "to_unit_float", "translate",
            "validate_images"]
-
-
-def check_pixels(x) -> None:
-    """Checks that images (numpy or jax, any shape) are floating point, finite and in [0, 1].
-
-    Raises ``ValueError`` naming the first problem; shared by the datasets and the bundler.
-    """
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise ValueError(f"images must have a floating dtype with pixels in [0, 1], got dtype "
-                         f"{x.dtype} (divide uint8 images by 255)")
-    xh = np.asarray(x)
-    finite = np.isfinite(xh)
-    if not finite.all():
-        raise ValueError(f"images contain {int(xh.size - np.count_nonzero(finite))} non-finite "
-                         "values (NaN or inf)")
-    lo, hi = float(xh.min()), float(xh.max())
-    if lo < 0.0 or hi > 1.0:
-        raise ValueError(f"pixels must lie in [0, 1], found min {lo} and max {hi}")
-
-
-def check_labels(y, n: int, num_classes: int) -> None:
-    """Checks that labels are 1-D integers, ``n`` of them, in ``[0, num_classes)``."""
-    y = np.asarray(y)
-    if y.ndim != 1 or not np.issubdtype(y.dtype, np.integer):
-        raise ValueError(f"labels must be 1-D integers, got shape {y.shape} dtype {y.dtype}")
-    if len(y) != n:
-        raise ValueError(f"length mismatch: {n} images but {len(y)} labels")
-    values = np.unique(y[(y < 0) | (y >= num_classes)])
-    if values.size:
-        more = f" (and {len(values) - 10} more)" if len(values) > 10 else ""
-        raise ValueError(f"labels must lie in [0, {num_classes}) for {num_classes} classes, "
-                         f"found out-of-range values {values[:10].tolist()}{more}")
 
 
 def validate_images(x: np.ndarray, y: np.ndarray, num_classes: int) -> None:
