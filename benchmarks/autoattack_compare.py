@@ -7,14 +7,15 @@ rescaled), each on the examples the earlier ones left (torchattacks' ``MultiAtta
 torch network is a layer-by-layer copy of the flax one (weights copied, logits checked equal).
 
 Every adversarial image AutoAttack returns is re-judged by jaxbundle's model in float32: in
-the box, in the eps ball, misclassified. jaxbundle's bundles run through ``evaluate`` with the
-library's own judging. Model passes are counted exactly at the model boundary on both sides
-(rows through the forward pass, and rows whose input gradient was taken) in a separate,
-untimed run; wall-clock is the median of ``--rounds`` timed rounds, cold (JAX's compiled
-programs cleared first, so tracing and compilation are included), cold with the persistent
-compilation cache filled (what a new CLI process pays after an earlier run with the same
-shapes: tracing, no compilation) and warm. ``--aa-cache DIR`` stores AutoAttack's result per
-setting (with its per-example verdicts, for ``default_variants.py``) and reuses it.
+the box, in the eps ball, misclassified. jaxbundle's bundles run through ``jaxbundle.evaluate``
+(each bundle's plan, ``jaxbundle.bundles.plan``) with the library's own judging. Model passes
+are counted exactly at the model boundary on both sides (rows through the forward pass, and
+rows whose input gradient was taken) in a separate, untimed run; wall-clock is the median of
+``--rounds`` timed rounds, cold (JAX's compiled programs cleared first, so tracing and
+compilation are included), cold with the persistent compilation cache filled (what a new CLI
+process pays after an earlier run with the same shapes: tracing, no compilation) and warm.
+``--aa-cache DIR`` stores AutoAttack's result per setting (with its per-example verdicts, for
+``default_variants.py``) and reuses it.
 
 Needs torch and torchattacks, which are never dependencies of jaxbundle; a benchmark-only
 environment (see benchmarks/README.md)::
@@ -40,9 +41,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbundle import data, job, models, suites
-from jaxbundle.evaluate import evaluate
-from jaxbundle.models.layers import _same_padding
+import jaxbundle
+from jaxbundle import bundles, data, job, models
+from jaxbundle.canonical import _same_padding
 
 # Per model: the eps values (on the 8-bit grid, so both sides judge the same radius) where
 # robust accuracy lies between 5 % and 90 % (83/255 is the adversarial model's edge: 3.9 % to
@@ -182,12 +183,9 @@ def counting(apply_fn: Callable, counts: dict[str, int]) -> Callable:
 
 
 def run_jaxbundle(apply_fn, params, x, y, eps, name, seed=0):
-    """A named bundle under its own schedule (focus, segments), as the CLI runs it."""
-    own = suites.bundle_schedule(name)
-    result = evaluate(apply_fn, params, x, y, suites.bundle_attacks(name, "linf"), eps=eps,
-                      norm="linf", goals=("misclassify",), batch_size=len(x), mesh=None,
-                      seed=seed, keep_images=False, schedule=own.mode, focus=dict(own.focus),
-                      segments=own.segments)
+    """A named bundle's plan, under its own schedule (focus, segments), as the CLI runs it."""
+    plan = bundles.plan(name, "linf", eps, goals=("misclassify",), batch_size=len(x), seed=seed)
+    result = jaxbundle.evaluate(apply_fn, params, (x, y), plan, mesh=None, keep_images=False)
     robust = result.per_example["clean_prediction"] == result.per_example["label"]
     return robust & ~result.per_example["success"].astype(bool), result
 
@@ -228,96 +226,126 @@ def _entry_key(name: str) -> str:
     return "jaxbundle-autoattack" if name == "autoattack" else name
 
 
-def compare(model_name, eps_values, bundles, once, n, rounds, log, aa_cache=None) -> dict:
+def _torch_copy(model_name, apply_fn, params, x):
+    """The torch copy of the model, its logits checked against the flax ones."""
     import torch
 
-    apply_fn, params = models.load_or_train(models.MODELS[model_name])
-    sample = data.load_mnist_sample("test", n=n)
-    x, y = np.asarray(sample.x, np.float32), np.asarray(sample.y)
     net = torch_network(params)
     with torch.no_grad():
         torch_logits = net(torch.tensor(x.transpose(0, 3, 1, 2))).numpy()
     gap = float(np.abs(torch_logits - np.asarray(apply_fn(params, x))).max())
     if gap > 1e-3:
         raise SystemExit(f"the torch copy of {model_name} differs: max logit gap {gap}")
+    return net, gap
+
+
+def _autoattack_entry(net, apply_fn, params, x, y, eps, rounds, label, log):
+    """AutoAttack over ``rounds`` timed rounds: its entry and per-example robust mask (passes
+    counted during the first round; the wrapper costs nothing)."""
+    times, robust_aa, passes = [], None, None
+    for r in range(rounds):
+        x_adv, seconds, fwd, bwd = run_autoattack(net, x, y, eps)
+        times.append(seconds)
+        if robust_aa is None:
+            robust_aa = judge(apply_fn, params, x, y, x_adv, eps)
+            passes = {"forward": fwd, "backward": bwd}
+        log(f"{label} autoattack round {r}: {seconds:.1f} s, "
+            f"robust {100 * robust_aa.mean():.1f} %")
+    entry = {
+        "robust_accuracy": 100 * float(robust_aa.mean()),
+        "seconds": statistics.median(times), "seconds_all": times,
+        "passes": passes,
+        "passes_per_example": (passes["forward"] + passes["backward"]) / len(y),
+    }
+    return entry, robust_aa
+
+
+def _timed_rounds(apply_fn, params, x, y, eps, name, rounds, robust):
+    """Cold, warm and cold-with-the-compilation-cache seconds of ``rounds`` runs of the
+    bundle ``name`` (each must find the counted run's ``robust``)."""
+    cold, warm, cold_cached = [], [], []
+    run = lambda: run_jaxbundle(apply_fn, params, x, y, eps, name)  # noqa: E731
+    for _ in range(rounds):
+        jax.clear_caches()
+        (robust_r, _), seconds = timed(run)
+        cold.append(seconds)
+        (_, _), seconds = timed(run)
+        warm.append(seconds)
+        if not np.array_equal(robust_r, robust):
+            raise SystemExit(f"{name}: the counted run and a timed run disagree")
+        # A new process with the CLI's persistent compilation cache already filled (a second
+        # model of the same architecture, a second eps): traced, not compiled.
+        with tempfile.TemporaryDirectory() as tmp, job.compilation_cache(tmp):
+            jax.clear_caches()
+            run()
+            jax.clear_caches()
+            cold_cached.append(timed(run)[1])
+    return cold, warm, cold_cached
+
+
+def _bundle_entry(apply_fn, params, x, y, eps, name, rounds, aa, robust_aa) -> dict:
+    """The bundle ``name``: counted once (model passes), then timed over ``rounds`` rounds
+    (none: the counted run's seconds), compared with AutoAttack's entry ``aa``."""
+    counts = {"forward": 0, "backward": 0}
+    counted_apply = counting(apply_fn, counts)
+    (robust, result), counted_seconds = timed(
+        lambda: run_jaxbundle(counted_apply, params, x, y, eps, name))
+    jax.effects_barrier()
+    cold, warm, cold_cached = _timed_rounds(apply_fn, params, x, y, eps, name, rounds, robust)
+    if not cold:  # run once, with the counting probes (a little slower)
+        cold = warm = cold_cached = [counted_seconds]
+    entry = {
+        "robust_accuracy": 100 * float(robust.mean()),
+        "seconds_cold": statistics.median(cold), "seconds_warm": statistics.median(warm),
+        "seconds_cold_cached": statistics.median(cold_cached),
+        "seconds_cold_all": cold, "seconds_warm_all": warm,
+        "seconds_cold_cached_all": cold_cached,
+        "timed_rounds": rounds,
+        "passes": dict(counts),
+        "passes_per_example": (counts["forward"] + counts["backward"]) / len(y),
+        "robust_here_fooled_by_autoattack": int(np.sum(robust & ~robust_aa)),
+        "fooled_here_robust_under_autoattack": int(np.sum(~robust & robust_aa)),
+    }
+    stages = (result.metrics.get("schedule") or {}).get("stages")
+    if stages:
+        entry["stages"] = [{k: s[k] for k in ("attack", "examples", "robust_accuracy")}
+                           for s in stages]
+    entry["cost_ratio"] = {
+        "passes": entry["passes_per_example"] / aa["passes_per_example"],
+        "seconds_cold": entry["seconds_cold"] / aa["seconds"],
+        "seconds_cold_cached": entry["seconds_cold_cached"] / aa["seconds"],
+        "seconds_warm": entry["seconds_warm"] / aa["seconds"],
+    }
+    return entry
+
+
+def compare(model_name, eps_values, bundles_, once, n, rounds, log, aa_cache=None) -> dict:
+    """AutoAttack (or its cached result) and each bundle of ``bundles_`` (timed over
+    ``rounds``) and ``once`` (run once) at every eps, on the first ``n`` test digits."""
+    apply_fn, params = models.load_or_train(models.MODELS[model_name])
+    sample = data.load_mnist_sample("test", n=n)
+    x, y = np.asarray(sample.x, np.float32), np.asarray(sample.y)
+    net, gap = _torch_copy(model_name, apply_fn, params, x)
     out = {"logit_gap": gap, "eps": {}}
     for eps in eps_values:
+        label = f"{model_name} eps {eps:.4f}"
         row: dict[str, Any] = {}
         cached = _cached_autoattack(aa_cache, model_name, eps, n)
         if cached is None:
-            # AutoAttack: passes counted during the first round (the wrapper costs nothing).
-            times, robust_aa, passes = [], None, None
-            for r in range(rounds):
-                x_adv, seconds, fwd, bwd = run_autoattack(net, x, y, eps)
-                times.append(seconds)
-                if robust_aa is None:
-                    robust_aa = judge(apply_fn, params, x, y, x_adv, eps)
-                    passes = {"forward": fwd, "backward": bwd}
-                log(f"{model_name} eps {eps:.4f} autoattack round {r}: {seconds:.1f} s, "
-                    f"robust {100 * robust_aa.mean():.1f} %")
-            row["autoattack"] = {
-                "robust_accuracy": 100 * float(robust_aa.mean()),
-                "seconds": statistics.median(times), "seconds_all": times,
-                "passes": passes,
-                "passes_per_example": (passes["forward"] + passes["backward"]) / n,
-            }
+            row["autoattack"], robust_aa = _autoattack_entry(net, apply_fn, params, x, y, eps,
+                                                             rounds, label, log)
             if aa_cache:
                 _store_autoattack(aa_cache, model_name, eps, n, row["autoattack"], robust_aa)
         else:
             row["autoattack"], robust_aa = cached
-            log(f"{model_name} eps {eps:.4f} autoattack from {aa_cache}: "
+            log(f"{label} autoattack from {aa_cache}: "
                 f"robust {row['autoattack']['robust_accuracy']:.1f} %")
-        for name in bundles + once:
-            counts = {"forward": 0, "backward": 0}
-            counted_apply = counting(apply_fn, counts)
-            (robust, result), counted_seconds = timed(
-                lambda: run_jaxbundle(counted_apply, params, x, y, eps, name))
-            jax.effects_barrier()
-            cold, warm, cold_cached = [], [], []
-            run = lambda: run_jaxbundle(apply_fn, params, x, y, eps, name)  # noqa: E731
-            for r in range(rounds if name in bundles else 0):
-                jax.clear_caches()
-                (robust_r, _), seconds = timed(run)
-                cold.append(seconds)
-                (_, _), seconds = timed(run)
-                warm.append(seconds)
-                if not np.array_equal(robust_r, robust):
-                    raise SystemExit(f"{name}: the counted run and a timed run disagree")
-                # A new process with the CLI's persistent compilation cache already filled
-                # (a second model of the same architecture, a second eps): traced, not
-                # compiled.
-                with tempfile.TemporaryDirectory() as tmp, job.compilation_cache(tmp):
-                    jax.clear_caches()
-                    run()
-                    jax.clear_caches()
-                    cold_cached.append(timed(run)[1])
-            if not cold:  # run once, with the counting probes (a little slower)
-                cold = warm = cold_cached = [counted_seconds]
-            entry = {
-                "robust_accuracy": 100 * float(robust.mean()),
-                "seconds_cold": statistics.median(cold), "seconds_warm": statistics.median(warm),
-                "seconds_cold_cached": statistics.median(cold_cached),
-                "seconds_cold_all": cold, "seconds_warm_all": warm,
-                "seconds_cold_cached_all": cold_cached,
-                "timed_rounds": rounds if name in bundles else 0,
-                "passes": dict(counts),
-                "passes_per_example": (counts["forward"] + counts["backward"]) / n,
-                "robust_here_fooled_by_autoattack": int(np.sum(robust & ~robust_aa)),
-                "fooled_here_robust_under_autoattack": int(np.sum(~robust & robust_aa)),
-            }
-            stages = result.metrics.get("schedule", {}).get("stages")
-            if stages:
-                entry["stages"] = [{k: s[k] for k in ("attack", "examples", "robust_accuracy")}
-                                   for s in stages]
-            aa = row["autoattack"]
-            entry["cost_ratio"] = {
-                "passes": entry["passes_per_example"] / aa["passes_per_example"],
-                "seconds_cold": entry["seconds_cold"] / aa["seconds"],
-                "seconds_cold_cached": entry["seconds_cold_cached"] / aa["seconds"],
-                "seconds_warm": entry["seconds_warm"] / aa["seconds"],
-            }
+        aa = row["autoattack"]
+        for name in bundles_ + once:
+            entry = _bundle_entry(apply_fn, params, x, y, eps, name,
+                                  rounds if name in bundles_ else 0, aa, robust_aa)
             row[_entry_key(name)] = entry
-            log(f"{model_name} eps {eps:.4f} {name}: robust {entry['robust_accuracy']:.1f} % "
+            log(f"{label} {name}: robust {entry['robust_accuracy']:.1f} % "
                 f"(AA {aa['robust_accuracy']:.1f} %), passes/ex {entry['passes_per_example']:.0f}"
                 f" (AA {aa['passes_per_example']:.0f}), cold {entry['seconds_cold']:.1f} s, "
                 f"cold with the compilation cache {entry['seconds_cold_cached']:.1f} s, warm "
