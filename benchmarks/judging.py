@@ -11,7 +11,7 @@ the cache) on the first N embedded MNIST test images, in three versions of the d
 
 For Linf and L2, eps on a pixel level (51/255, 510/255) and between levels (0.3, 1.5), the
 bundle (``fast``: APGD-CE and APGD-T with 3 targets, 20 steps each, plus Square with 500
-queries, which searches on the grid) runs through ``jaxbundle.evaluate.evaluate`` twice: with
+queries, which searches on the grid) runs through ``jaxbundle.evaluate`` twice: with
 ``judging="auto"`` (the default: on the 8-bit grid where the clean image is on it, in float32
 elsewhere) and with ``judging="float"``, and where eps lies between levels once more in float32
 at the radius the grid allows (``norms.grid_radius``: 76/255 for Linf 0.3). The table gives
@@ -34,8 +34,7 @@ import time
 import jax
 import numpy as np
 
-from jaxbundle import attacks, data, models, norms, suites
-from jaxbundle.evaluate import evaluate
+from jaxbundle import Plan, attacks, bundles, data, evaluate, models, norms
 
 SETTINGS = (("linf", 51 / 255), ("linf", 0.3), ("l2", 510 / 255), ("l2", 1.5))
 
@@ -49,7 +48,7 @@ def datasets(n: int) -> dict[str, tuple[np.ndarray, np.ndarray]]:
 
 
 def bundle_for(norm: str, queries: int) -> tuple:
-    return suites.bundle_attacks("fast", norm) + (attacks.square(norm, queries=queries),)
+    return bundles.bundle_attacks("fast", norm) + (attacks.square(norm, queries=queries),)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,8 +76,9 @@ def main(argv: list[str] | None = None) -> int:
             out, success = {}, {}
             for run, e in runs.items():
                 start = time.perf_counter()
-                ev = evaluate(apply_fn, params, x, y, bundle, eps=e, norm=norm,
-                              goals=("misclassify",), judging=run.split("@")[0], batch_size=128)
+                plan = Plan(eps=e, norm=norm, attacks=bundle, goals=("misclassify",),
+                            judging=run.split("@")[0], batch_size=128)
+                ev = evaluate(apply_fn, params, (x, y), plan)
                 out[run], success[run] = ev.metrics, ev.per_example["success"]
                 out[run]["seconds"] = time.perf_counter() - start
             auto, flt = out["auto"], out["float"]

@@ -8,9 +8,9 @@ writes them), on the embedded MNIST sample. Variants, interleaved in one process
   unrolled, ``fori_loop``); the best median is the floor;
 * ``bundle``: ``bundler.bundle([pgd], ...)`` as a user calls it (``unroll=1``; on CPU the
   bundler computes the model's convolutions with canonical-gradient VJPs,
-  :func:`jaxbundle.models.canonical_convolutions`);
+  :func:`jaxbundle.canonical.canonical_convolutions`);
 * ``bundle_unroll=True``;
-* ``evaluate``: :func:`jaxbundle.evaluate.evaluate` on the same batch (one batch, misclassify);
+* ``evaluate``: :func:`jaxbundle.evaluate` on the same batch (one batch, misclassify);
 * ``before_*``: the same two bundle calls on the model with its convolutions hidden from that
   rewrite (wrapped in a ``custom_jvp`` whose rule is the model's own JVP: same numbers, JAX's
   own transposed convolutions), i.e. what the library did before the rewrite.
@@ -30,10 +30,9 @@ import numpy as np
 
 from harness import EPS, STEP_SIZE, machine_facts, make_floors, run_interleaved
 
-from jaxbundle import bundler
+from jaxbundle import Plan, bundler, evaluate
 from jaxbundle.attacks import pgd
 from jaxbundle.data import load_mnist_sample
-from jaxbundle.evaluate import evaluate
 from jaxbundle.models import LinenCNN
 
 TARGET = {512: 1.10, 64: 1.15}  # issue 12: library path / best floor on an nn.Conv model
@@ -74,9 +73,9 @@ def bench(n: int, steps: int, repeats: int) -> dict:
     variants["before_bundle"] = call(hidden)
     variants["before_bundle_unroll=True"] = call(hidden, unroll=True)
     xn, yn = np.asarray(x), np.asarray(y)
+    plan = Plan(eps=EPS, attacks=(attack,), goals=("misclassify",), batch_size=n)
     variants["evaluate"] = lambda: evaluate(
-        apply_fn, params, xn, yn, [attack], eps=EPS, goals=("misclassify",), batch_size=n,
-        keep_images=False,
+        apply_fn, params, (xn, yn), plan, keep_images=False,
     ).metrics["robust_accuracy"]
     same = bool(jnp.all(variants["bundle"]() == variants["before_bundle"]()))
 
