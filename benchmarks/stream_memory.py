@@ -1,6 +1,6 @@
 """Host memory of a streaming evaluation on an ImageNet-validation-sized stream.
 
-``jaxbundle.evaluate.evaluate_source`` reads a ``Source`` batch by batch; the claim is that host
+``jaxbundle.evaluate`` reads a ``Source`` batch by batch; the claim is that host
 memory stays at a few batches plus the small per-example arrays, whatever the dataset's size.
 This runs it over a generated stream of N images 224x224x3 uint8 (1,000 classes; every row made
 from its index, nothing per example held) with a tiny model (8x8 average pooling, then a linear
@@ -85,23 +85,23 @@ def max_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
-def xla_memory(params, attacks, batch_size: int) -> dict | None:
+def xla_memory(params, plan) -> dict | None:
     """The batch program's buffers as XLA plans them (arguments, outputs, temporaries), in MB.
-    Lowers the library's private ``_evaluate_batch`` as ``evaluate_source`` calls it."""
+    Lowers the library's private ``runners._evaluate_batch`` as the full runner calls it."""
     import jax
     import jax.numpy as jnp
 
-    from jaxbundle import evaluate
-    from jaxbundle.bundler import goals_for
+    from jaxbundle import runners
 
+    batch_size = plan.batch_size
     try:
         b = jax.ShapeDtypeStruct((batch_size,), jnp.int32)
-        compiled = evaluate._evaluate_batch.lower(
+        compiled = runners._evaluate_batch.lower(
             params, jax.ShapeDtypeStruct((batch_size, H, W, C), jnp.float32), b,
             jax.random.key(0), b, jax.ShapeDtypeStruct((batch_size,), jnp.bool_),
-            jnp.float32(0.0), apply_fn=apply_fn, attacks=tuple(attacks),
-            goal_names=goals_for(("misclassify", "max_confidence", "min_norm"), attacks),
-            norm="linf", judging="auto", unroll=1, restart_mode="vmap", mesh=None,
+            jnp.float32(0.0), apply_fn=apply_fn, attacks=plan.attack_values(),
+            goal_names=plan.goal_names, norm=plan.norm, judging=plan.judging,
+            unroll=plan.unroll, restart_mode=plan.restart_mode, mesh=None,
         ).compile()
         m = compiled.memory_analysis()
         return {k: getattr(m, f"{k}_size_in_bytes") / MB for k in ("argument", "output", "temp")}
@@ -109,67 +109,88 @@ def xla_memory(params, attacks, batch_size: int) -> dict | None:
         return {"error": repr(e)}
 
 
-def run_one(args: argparse.Namespace, variant: str) -> dict:
-    """One variant in this process: the evaluation and its RSS after every batch."""
+def model_params() -> dict:
+    """The tiny model's parameters (fixed by the seed)."""
     import jax
-
-    from jaxbundle import suites
-    from jaxbundle.evaluate import evaluate_source
 
     k1, k2 = jax.random.split(jax.random.key(0))
     d = (H // 8) * (W // 8) * C
-    params = {"w": jax.random.normal(k1, (d, CLASSES)) / np.sqrt(d),
-              "b": 0.01 * jax.random.normal(k2, (CLASSES,))}
-    attacks = [suites.attack(a, "linf", steps=args.steps) for a in args.attacks]
-    source = GeneratedSource(args.n)
-    before = rss()
-    samples: list[int] = []  # RSS after every batch
-    peaks: list[int] = []  # the highest RSS seen while each batch ran (sampled every 10 ms)
-    maxrss: list[int] = []  # ru_maxrss after every batch
-    times: list[float] = []
-    high, stop = [before], threading.Event()
+    return {"w": jax.random.normal(k1, (d, CLASSES)) / np.sqrt(d),
+            "b": 0.01 * jax.random.normal(k2, (CLASSES,))}
 
-    def sampler() -> None:  # XLA releases the GIL while it runs, so this sees inside a batch
-        while not stop.wait(0.01):
-            high[0] = max(high[0], rss())
 
-    threading.Thread(target=sampler, daemon=True).start()
-    t0 = time.perf_counter()
+class Recorder:
+    """The evaluation's ``progress`` callback: RSS after every batch, the highest RSS seen
+    while each batch ran (a thread samples it every 10 ms; XLA releases the GIL while it runs,
+    so this sees inside a batch), ``ru_maxrss`` and the time after every batch."""
 
-    def progress(done: int, total: int) -> None:
-        samples.append(rss())
-        peaks.append(max(high[0], samples[-1]))
-        high[0] = 0
-        maxrss.append(max_rss())
-        times.append(time.perf_counter() - t0)
+    def __init__(self, variant: str):
+        self.variant = variant
+        self.before = rss()
+        self.samples: list[int] = []
+        self.peaks: list[int] = []
+        self.maxrss: list[int] = []
+        self.times: list[float] = []
+        self._high, self._stop = self.before, threading.Event()
+        threading.Thread(target=self._sample, daemon=True).start()
+        self._t0 = time.perf_counter()
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.01):
+            self._high = max(self._high, rss())
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def __call__(self, done: int, total: int) -> None:
+        self.samples.append(rss())
+        self.peaks.append(max(self._high, self.samples[-1]))
+        self._high = 0
+        self.maxrss.append(max_rss())
+        self.times.append(time.perf_counter() - self._t0)
         if done == 1 or done % max(1, total // 10) == 0 or done == total:
-            print(f"  [{variant}] batch {done}/{total}  rss {samples[-1] / MB:.0f} MB  "
-                  f"in-batch peak {peaks[-1] / MB:.0f} MB  ru_maxrss {maxrss[-1] / MB:.0f} MB  "
-                  f"{times[-1]:.0f} s", file=sys.stderr, flush=True)
+            print(f"  [{self.variant}] batch {done}/{total}  rss {self.samples[-1] / MB:.0f} MB  "
+                  f"in-batch peak {self.peaks[-1] / MB:.0f} MB  ru_maxrss "
+                  f"{self.maxrss[-1] / MB:.0f} MB  {self.times[-1]:.0f} s", file=sys.stderr,
+                  flush=True)
 
+
+def run_one(args: argparse.Namespace, variant: str) -> dict:
+    """One variant in this process: the evaluation and its RSS after every batch."""
+    from jaxbundle import Plan, evaluate
+
+    params = model_params()
+    plan = Plan(eps=args.eps, norm="linf", attacks=tuple(args.attacks), steps=args.steps,
+                batch_size=args.batch_size)
+    source = GeneratedSource(args.n)
+    rec = Recorder(variant)
     tmp = None
     if variant == "images":
         tmp = tempfile.mkdtemp(prefix="stream_memory_", dir=args.tmp)
     try:
-        result = evaluate_source(
-            apply_fn, params, source, attacks, eps=args.eps, norm="linf",
-            batch_size=args.batch_size, mesh=None, images_dir=tmp, keep_images=False,
-            progress=progress,
-        )
+        result = evaluate(apply_fn, params, source, plan, mesh=None, images_dir=tmp,
+                          keep_images=False, progress=rec)
         written = sum(f.stat().st_size for f in pathlib.Path(tmp).iterdir()) if tmp else 0
     finally:
         if tmp:
             shutil.rmtree(tmp)
-    stop.set()
-    end, peak = rss(), max_rss()
+    rec.stop()
+    end = (rss(), max_rss())  # before XLA's memory analysis compiles the program again
+    return summary(args, variant, rec, result, written, end, xla_memory(params, plan))
+
+
+def summary(args, variant: str, rec: Recorder, result, written: int, end_rss, xla) -> dict:
+    """What one variant's run reports (MB = 10^6 bytes); ``end_rss``: (RSS, ru_maxrss) when
+    the evaluation finished."""
+    samples, peaks, maxrss = rec.samples, rec.peaks, rec.maxrss
+    end, peak = end_rss
     per_example = sum(v.nbytes for v in result.per_example.values())
-    xla = xla_memory(params, attacks, args.batch_size)
     n_batches = len(samples)
     mid = samples[n_batches // 2] if n_batches > 2 else samples[-1]
     return {
         "variant": variant,
-        "n": args.n, "batches": n_batches, "seconds": times[-1],
-        "rss_before_mb": before / MB,
+        "n": args.n, "batches": n_batches, "seconds": rec.times[-1],
+        "rss_before_mb": rec.before / MB,
         "rss_after_batch1_mb": samples[0] / MB,
         "rss_mid_mb": mid / MB,
         "rss_max_after_batch_mb": max(samples) / MB,
