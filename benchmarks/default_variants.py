@@ -1,7 +1,7 @@
 """Variants of the default bundle against a stored AutoAttack result, example by example.
 
-Each variant is a bundle in :data:`jaxbundle.suites.BUNDLES`' format with its own focus, run
-as a cascade through ``evaluate`` exactly as the CLI runs a named bundle, with the model
+Each variant is a bundle in :data:`jaxbundle.bundles.BUNDLES`' format with its own focus, run
+as a cascade through ``jaxbundle.evaluate`` exactly as the CLI runs a named bundle, with the model
 passes counted at the model boundary (``autoattack_compare.counting``). AutoAttack is not run
 again: its per-example result comes from ``autoattack_compare.py --aa-cache DIR``, so the
 variants see the same weights, images and AutoAttack verdicts. A variant file holds one JSON
@@ -27,14 +27,14 @@ import numpy as np
 
 from autoattack_compare import _cached_autoattack, counting, run_jaxbundle
 
-from jaxbundle import data, models, suites
+from jaxbundle import AttackSpec, bundles, data, models
 
 
 def run_variant(variant: dict, apply_fn, params, x, y, eps, robust_aa, aa) -> dict:
     """Registers ``variant`` as a named bundle, runs it counted, compares it with AutoAttack."""
     name = f"variant-{variant['name']}"
-    suites.BUNDLES[name] = tuple((a, None, dict(o)) for a, o in variant["bundle"])
-    suites.BUNDLE_SCHEDULES[name] = suites.Schedule(
+    bundles.BUNDLES[name] = bundles.Bundle(
+        tuple((AttackSpec(a, **o), None) for a, o in variant["bundle"]),
         variant.get("schedule", "cascade"), tuple(variant.get("focus", {}).items()),
         variant.get("segments", 1),
     )
@@ -44,7 +44,7 @@ def run_variant(variant: dict, apply_fn, params, x, y, eps, robust_aa, aa) -> di
     jax.effects_barrier()
     seconds = time.perf_counter() - start
     passes = (counts["forward"] + counts["backward"]) / len(y)
-    stages = result.metrics.get("schedule", {}).get("stages", [])
+    stages = (result.metrics.get("schedule") or {}).get("stages") or []
     return {
         **variant, "eps": eps, "n": len(y),
         "robust": 100 * float(robust.mean()), "autoattack_robust": aa["robust_accuracy"],
