@@ -23,7 +23,7 @@ from rich.table import Table
 
 from jaxbundle import bundles
 from jaxbundle.bundles import BUNDLES, bundle_attacks
-from jaxbundle.plan import Plan
+from jaxbundle.plan import MODES, Plan
 from jaxbundle.presets import PRESETS
 from jaxbundle.suites import ATTACKS
 
@@ -184,7 +184,7 @@ def _threat_flags(ev: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         "require the grid (grid); or judge everything in float32 (float)",
     )
     threat.add_argument(
-        "--schedule", choices=("full", "cascade"), default=None,
+        "--schedule", choices=MODES, default=None,
         help="full: every attack on every example (the many-attack table); cascade: each "
         "attack only on the examples not yet fooled (prioritisation, far cheaper); default: "
         "the bundle's own (cascade for default and autoattack), else full",

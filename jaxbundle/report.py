@@ -27,7 +27,7 @@ __all__ = ["SCHEMA_VERSION", "table", "print_tables", "write_report", "markdown"
 def attack_rows(metrics: dict) -> list[tuple[str, float | None]]:
     """The per-attack rows of a model's table: the MAT and the WAT (full schedule), or the
     robust accuracy after each stage of a cascade, with the examples each stage ran on."""
-    if metrics.get("schedule", {}).get("mode") == "cascade":
+    if (metrics.get("schedule") or {}).get("stages") is not None:  # a cascade's stages
         return [
             (f"after {s['attack']} ({s['examples']} attacked)", s["robust_accuracy"])
             for s in metrics["schedule"]["stages"]
