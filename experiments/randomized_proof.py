@@ -32,9 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jaxbundle
-from jaxbundle import data, models, sampling, suites
-from jaxbundle.evaluate import evaluate
+from jaxbundle import Plan, data, evaluate, models, sampling, suites
 from jaxbundle.models.randomized import DEFENCES
 
 EPS = 0.3
@@ -70,17 +68,17 @@ def main(argv=None) -> int:
     }
     rows = {}
     start = time.perf_counter()
-    ref = evaluate(base, params, x, y, [apgd], eps=EPS, goals=("misclassify",), batch_size=100)
+    plan = Plan(eps=EPS, attacks=(apgd,), goals=("misclassify",), batch_size=100)
+    ref = evaluate(base, params, (x, y), plan)
     rows["deterministic CNN (no defence)"] = dict(
         clean_accuracy=ref.metrics["clean_accuracy"],
         robust_accuracy=ref.metrics["robust_accuracy"],
         seconds=time.perf_counter() - start)
     for label, (calls, eot, restarts) in settings.items():
         model = models.randomized(base, noise=d.noise, shift=d.shift, calls=calls)
-        attack = jaxbundle.with_eot([apgd._replace(num_restarts=restarts)], eot)
-        start = time.perf_counter()
-        ev = evaluate(model, params, x, y, attack, eps=EPS, goals=("misclassify",),
-                      batch_size=100)
+        start = time.perf_counter()  # every attack averages eot samples per call (with_eot)
+        ev = evaluate(model, params, (x, y),
+                      plan.replace(attacks=(apgd._replace(num_restarts=restarts),), eot=eot))
         pe = ev.per_example
         row = dict(clean_accuracy=ev.metrics["clean_accuracy"],
                    robust_accuracy=ev.metrics["robust_accuracy"],
