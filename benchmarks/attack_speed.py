@@ -15,19 +15,17 @@ in one process, interleaved and rotated every round; medians and minima are repo
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
 import sys
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
-from harness import machine_facts, make_floors, model_description, run_interleaved
+from harness import (
+    bundle_alone, machine_facts, make_floors, mnist_batch, model_description, parse_run_args,
+    run_interleaved, small_cnn, write_results,
+)
 
-from jaxbundle import attacks, bundler
-from jaxbundle.data import load_mnist_sample
-from jaxbundle.models import SmallCNN
+from jaxbundle import attacks
 
 
 def attack_list(steps: int) -> dict[str, tuple[Any, str, float]]:
@@ -51,28 +49,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=40, help="gradients per example per attack")
     p.add_argument("--floor-steps", type=int, default=40)
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", type=pathlib.Path, default=None)
-    args = p.parse_args(argv)
-    if args.quick:
-        args.n, args.steps, args.floor_steps, args.repeats = 16, 9, 9, 1
-    out_path = args.out or pathlib.Path(__file__).resolve().parent / "results" / (
-        "attack_speed_quick.json" if args.quick else "attack_speed.json")
+    args = parse_run_args(p, argv, "attack_speed", dict(n=16, steps=9, floor_steps=9, repeats=1))
 
-    module = SmallCNN()
-    params = module.init(jax.random.PRNGKey(0), jnp.zeros((1, 28, 28, 1), jnp.float32))
-    ds = load_mnist_sample("test", n=args.n)
-    x, y = jnp.asarray(ds.x), jnp.asarray(ds.y)
+    module, params = small_cnn()
+    x, y = mnist_batch(args.n)
     key = jax.random.PRNGKey(1)
 
     floors = make_floors(module.apply, params, x, y, args.floor_steps)
     variants = {"floor_fori": floors["floor_c_fori"], "floor_chain": floors["floor_a_chain"]}
     built = attack_list(args.steps)
-    for name, (attack, norm, eps) in built.items():
-        variants[name] = (
-            lambda a=attack, nm=norm, e=eps: bundler.bundle(
-                [a], module.apply, params, x, y, key, eps=e, norm=nm)
-        )
+    variants.update(bundle_alone(built, module.apply, params, x, y, key))
     res = run_interleaved(variants, args.repeats, f"attacks N={args.n}")
     loads = res.pop("_load_avg_per_round")
     per_grad = min(res["floor_fori"]["median_s"], res["floor_chain"]["median_s"]) / args.floor_steps
@@ -96,9 +82,7 @@ def main(argv: list[str] | None = None) -> int:
            "n": args.n, "floor_steps": args.floor_steps, "per_gradient_s": per_grad,
            "per_gradient_min_s": per_grad_min, "load_avg_per_round": loads,
            "floors": {k: res[k] for k in ("floor_fori", "floor_chain")}, "attacks": rows}
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(out, indent=1))
-    print(f"wrote {out_path}")
+    write_results(args.out, out)
     return 0
 
 

@@ -7,6 +7,9 @@
 * :func:`make_floors`: the floors (``steps`` bare gradients of the model, four ways);
 * :func:`machine_facts` / :func:`model_description`: what the results were measured on;
 * :func:`track_compile_time`: the compile-time listener, registered only when called;
+* :func:`small_cnn`, :func:`mnist_batch`, :func:`bundle_alone`: the model, data and
+  ``bundle`` calls the scripts time; :func:`parse_run_args` (``--quick``, ``--out``),
+  :func:`results_path` and :func:`write_results`: where and how a script writes its JSON;
 * ``EPS``, ``STEP_SIZE``, ``NORM``: the PGD setting the scripts share (Linf 0.3, step 0.01).
 
 The scripts run as ``python benchmarks/<name>.py``: Python puts ``benchmarks/`` on
@@ -18,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import gc
+import json
 import os
 import pathlib
 import platform
@@ -29,11 +33,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbundle import losses
+from jaxbundle import bundler, losses
+from jaxbundle.data import load_mnist_sample
+from jaxbundle.models import SmallCNN
 
 EPS = 0.3
 STEP_SIZE = 0.01
 NORM = "linf"
+
+RESULTS = pathlib.Path(__file__).resolve().parent / "results"
 
 
 def loadavg() -> float | None:
@@ -223,3 +231,51 @@ def model_description(module, params) -> dict[str, Any]:
         "param_shapes": shapes,
         "num_params": int(sum(np.prod(v) for v in shapes.values())),
     }
+
+
+def small_cnn() -> tuple[Any, Any]:
+    """``jaxbundle.models.SmallCNN()`` and its random-init params (``PRNGKey(0)``)."""
+    module = SmallCNN()
+    return module, module.init(jax.random.PRNGKey(0), jnp.zeros((1, 28, 28, 1), jnp.float32))
+
+
+def mnist_batch(n: int) -> tuple[jax.Array, jax.Array]:
+    """The first ``n`` embedded MNIST test images and their labels, as jax arrays."""
+    ds = load_mnist_sample("test", n=n)
+    return jnp.asarray(ds.x), jnp.asarray(ds.y)
+
+
+def bundle_alone(built: dict[str, tuple[Any, str, float]], apply_fn, params, x, y,
+                 key) -> dict[str, Callable[[], Any]]:
+    """For each ``name -> (attack, norm, eps)``: a call of ``bundle`` with that attack alone."""
+    return {
+        name: (lambda a=attack, nm=norm, e=eps: bundler.bundle(
+            [a], apply_fn, params, x, y, key, eps=e, norm=nm))
+        for name, (attack, norm, eps) in built.items()
+    }
+
+
+def parse_run_args(p, argv, name: str, quick: dict[str, Any]):
+    """Adds ``--quick`` and ``--out`` to the parser ``p`` and parses ``argv``; with ``--quick``
+    the values of ``quick`` replace the arguments', and ``args.out`` is :func:`results_path`'s."""
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--out", type=pathlib.Path, default=None)
+    args = p.parse_args(argv)
+    if args.quick:
+        for key, value in quick.items():
+            setattr(args, key, value)
+    args.out = results_path(args.out, name, args.quick)
+    return args
+
+
+def results_path(out: pathlib.Path | None, name: str, quick: bool) -> pathlib.Path:
+    """``out`` if given, else ``benchmarks/results/<name>.json`` (``<name>_quick.json`` for a
+    quick run)."""
+    return out or RESULTS / (f"{name}_quick.json" if quick else f"{name}.json")
+
+
+def write_results(path: pathlib.Path, results: Any) -> None:
+    """Writes ``results`` as indented JSON to ``path`` (its folder made if need be)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1))
+    print(f"wrote {path}")

@@ -41,7 +41,8 @@ import jax
 import jax.numpy as jnp
 
 from harness import (
-    EPS, NORM, STEP_SIZE, machine_facts, make_floors, model_description, run_interleaved,
+    EPS, NORM, STEP_SIZE, machine_facts, make_floors, mnist_batch, model_description,
+    run_interleaved, small_cnn, write_results,
 )
 from pgd_speed import grad_is_canonical_in_loops, make_bundle_call, small_cnn_apply_canonical_grad
 
@@ -50,8 +51,6 @@ from jaxbundle import goals as goals_lib
 from jaxbundle import norms, sampling
 from jaxbundle.attacks import pgd
 from jaxbundle.attacks.base import WhiteBoxModel, per_example_keys
-from jaxbundle.data import load_mnist_sample
-from jaxbundle.models import SmallCNN
 
 
 def make_pgd_program(apply_fn, attack, *, fold: bool, unroll: int | bool, loop: str):
@@ -277,8 +276,7 @@ def _print_section(sec: dict[str, Any], flags: Any) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
-    module = SmallCNN()
-    params = module.init(jax.random.PRNGKey(0), jnp.zeros((1, 28, 28, 1), jnp.float32))
+    module, params = small_cnn()
     apply_fn = module.apply
     probe_x = jnp.zeros((2, 28, 28, 1), jnp.float32)
     shipped_ok = grad_is_canonical_in_loops(apply_fn, params, probe_x, jnp.zeros((2,), jnp.int32))
@@ -295,16 +293,13 @@ def main(argv: list[str] | None = None) -> int:
     }
     print(json.dumps(results["machine"]), flush=True)
     for n in args.n:
-        ds = load_mnist_sample("test", n=n)
-        x, y = jnp.asarray(ds.x), jnp.asarray(ds.y)
+        x, y = mnist_batch(n)
         key = jax.random.PRNGKey(1)
         v = _variants(args, attack, apply_fn, canon, params, x, y, key)
         sec = _section(n, run_interleaved(v, args.repeats, f"overhead N={n}"))
         results["sections"][str(n)] = sec
         _print_section(sec, results['machine']['xla_flags'])
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1))
-    print(f"wrote {args.out}")
+    write_results(args.out, results)
     return 0
 
 

@@ -68,8 +68,6 @@ import jax.numpy as jnp
 from jaxbundle import bundler
 from jaxbundle.attacks import pgd
 from jaxbundle.attacks.base import per_example_keys
-from jaxbundle.data import load_mnist_sample
-from jaxbundle.models import SmallCNN
 
 from conv_twins import (  # noqa: F401  (re-exported: pgd_speed.<name> as before)
     _CONV_S2,
@@ -84,13 +82,12 @@ from conv_twins import (  # noqa: F401  (re-exported: pgd_speed.<name> as before
     small_cnn_apply_jax_conv,
 )
 from harness import (
-    EPS, NORM, STEP_SIZE, loadavg, machine_facts, make_floors, model_description, run_interleaved,
+    EPS, NORM, STEP_SIZE, loadavg, machine_facts, make_floors, mnist_batch, model_description,
+    results_path, run_interleaved, small_cnn, write_results,
 )
 
 GOALS = ("misclassify",)
 TARGET = {512: 1.05, 64: 1.10}  # from the issue: library path / best floor
-
-HERE = pathlib.Path(__file__).resolve().parent
 
 
 # ----------------------------------------------------------------------------------------
@@ -339,8 +336,7 @@ def _hlo_report(args, attack, apply_fn, params, x, y, key, n, twin) -> dict[str,
 
 
 def bench_single(n, args, apply_fn, params, steps) -> dict[str, Any]:
-    ds = load_mnist_sample("test", n=n)
-    x, y = jnp.asarray(ds.x), jnp.asarray(ds.y)
+    x, y = mnist_batch(n)
     key = jax.random.PRNGKey(1)
     attack = pgd(norm=NORM, loss="ce", steps=steps, step_size=STEP_SIZE, random_start=True)
     variants, twin = _single_variants(args, attack, apply_fn, params, x, y, key, steps)
@@ -357,8 +353,7 @@ def bench_single(n, args, apply_fn, params, steps) -> dict[str, Any]:
 def bench_restarts(
     n, args, apply_fn, params, steps, single_floor_s, single_floor_min_s
 ) -> dict[str, Any]:
-    ds = load_mnist_sample("test", n=n)
-    x, y = jnp.asarray(ds.x), jnp.asarray(ds.y)
+    x, y = mnist_batch(n)
     key = jax.random.PRNGKey(2)
     r = args.restarts
     multi = pgd(norm=NORM, steps=steps, restarts=r, step_size=STEP_SIZE)
@@ -476,8 +471,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="JSON output (default benchmarks/results/pgd_speed.json; "
                    "pgd_speed_quick.json with --quick)")
     args = p.parse_args(argv)
-    if args.out is None:
-        args.out = HERE / "results" / ("pgd_speed_quick.json" if args.quick else "pgd_speed.json")
+    args.out = results_path(args.out, "pgd_speed", args.quick)
     if args.quick:
         args.n = args.n or [16]
         args.repeats = args.repeats or 1
@@ -520,8 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     facts = machine_facts()
     print("machine:", json.dumps(facts), flush=True)
-    module = SmallCNN()
-    params = module.init(jax.random.PRNGKey(0), jnp.zeros((1, 28, 28, 1), jnp.float32))
+    module, params = small_cnn()
     apply_fn = module.apply
     model_facts = model_description(module, params)
     print("model:", json.dumps(model_facts), flush=True)
@@ -562,9 +555,7 @@ def main(argv: list[str] | None = None) -> int:
     results["machine"]["load_avg_end"] = loadavg()
     results["wall_s"] = time.perf_counter() - t_start
     _print_summary(results)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=1))
-    print(f"wrote {args.out}")
+    write_results(args.out, results)
     return 0
 
 

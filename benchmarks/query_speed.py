@@ -15,18 +15,17 @@ logits on every candidate). Interleaved rounds, medians (``harness.py``).
 from __future__ import annotations
 
 import argparse
-import json
-import pathlib
 import sys
 
 import jax
 import jax.numpy as jnp
 
-from harness import machine_facts, model_description, run_interleaved
+from harness import (
+    bundle_alone, machine_facts, mnist_batch, model_description, parse_run_args, run_interleaved,
+    small_cnn, write_results,
+)
 
-from jaxbundle import attacks, bundler
-from jaxbundle.data import load_mnist_sample
-from jaxbundle.models import SmallCNN
+from jaxbundle import attacks
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,18 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--queries", type=int, default=1000)
     p.add_argument("--floor-queries", type=int, default=200)
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--quick", action="store_true")
-    p.add_argument("--out", type=pathlib.Path, default=None)
-    args = p.parse_args(argv)
-    if args.quick:
-        args.n, args.queries, args.floor_queries, args.repeats = 16, 40, 20, 1
-    out_path = args.out or pathlib.Path(__file__).resolve().parent / "results" / (
-        "query_speed_quick.json" if args.quick else "query_speed.json")
+    args = parse_run_args(p, argv, "query_speed",
+                          dict(n=16, queries=40, floor_queries=20, repeats=1))
 
-    module = SmallCNN()
-    params = module.init(jax.random.PRNGKey(0), jnp.zeros((1, 28, 28, 1), jnp.float32))
-    ds = load_mnist_sample("test", n=args.n)
-    x, y = jnp.asarray(ds.x), jnp.asarray(ds.y)
+    module, params = small_cnn()
+    x, y = mnist_batch(args.n)
     key = jax.random.PRNGKey(1)
 
     @jax.jit
@@ -64,11 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         "spsa (128 probes/step)": (attacks.spsa(steps=max(q // 129, 1)), "linf", 0.3),
     }
     variants = {"floor_forwards": lambda: forwards(params, x)}
-    for name, (attack, norm, eps) in built.items():
-        variants[name] = (
-            lambda a=attack, nm=norm, e=eps: bundler.bundle(
-                [a], module.apply, params, x, y, key, eps=e, norm=nm)
-        )
+    variants.update(bundle_alone(built, module.apply, params, x, y, key))
     res = run_interleaved(variants, args.repeats, f"queries N={args.n}")
     loads = res.pop("_load_avg_per_round")
     per_query = res["floor_forwards"]["median_s"] / args.floor_queries
@@ -91,9 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     out = {"machine": machine_facts(), "model_facts": model_description(module, params),
            "n": args.n, "per_query_s": per_query, "per_query_min_s": per_query_min,
            "load_avg_per_round": loads, "floor": res["floor_forwards"], "attacks": rows}
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(out, indent=1))
-    print(f"wrote {out_path}")
+    write_results(args.out, out)
     return 0
 
 

@@ -15,7 +15,6 @@ schedule depends on the budget), beside FMN-1000's white-box median as a referen
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import sys
 import time
@@ -26,6 +25,8 @@ import numpy as np
 
 from jaxbundle import attacks, data, models
 from jaxbundle.bundler import bundle
+
+from _results import write_results
 
 
 def run(attack_list, apply_fn, params, x, y, eps, norm, batch, judging="auto"):
@@ -85,9 +86,7 @@ def main(argv=None) -> int:
         print(f"l2 {name:32s} success {np.isfinite(d).mean():.3f}  median {np.median(d):.3f}  "
               f"{time.perf_counter() - start:6.1f} s", flush=True)
     out["l2"] = {"n": int(len(idx)), **rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1))
-    print(f"wrote {args.out}")
+    write_results(args.out, out)
     return 0
 
 

@@ -40,6 +40,8 @@ from jaxbundle.attacks import rays as rays_new
 from jaxbundle.bundler import bundle
 from jaxbundle.models.architectures import SmallCNN
 
+from _results import write_results
+
 CHANNELS_LAST = "d5f2fb3"  # the last commit with channels-last blocks
 EVEN_SPLIT = "46affa0"  # channels first, min(2^s, D) evenly split blocks, back to stage 0
 CHANGES = {"channels_first": ("channels_last", "even_split"),  # change: (before, after)
@@ -128,9 +130,7 @@ def main(argv=None) -> int:
     print("colour", json.dumps(colour), flush=True)
 
     assert mnist["channels_first"]["identical_per_example"], "one channel: the order is moot"
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, out, end="\n")
     return 0
 
 

@@ -20,7 +20,6 @@ as in experiments/blackbox_proof.py):
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import sys
 import time
@@ -33,6 +32,7 @@ from jaxbundle import attacks, data, models
 from jaxbundle.bundler import bundle
 
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from _results import write_results  # noqa: E402
 from fidelity_rays import old_module  # noqa: E402
 
 BEFORE = "d5f2fb3"  # the last commit without (a) and (b)
@@ -91,9 +91,7 @@ def main(argv=None) -> int:
             rows[name]["better_than_before_share"] = float(np.mean(d < base))
             rows[name]["median_ratio_to_before"] = float(np.median(d / base))
         out["budgets"][str(q)] = rows
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write_results(args.out, out, end="\n")
     return 0
 
 

@@ -31,6 +31,8 @@ import numpy as np
 from jaxbundle import attacks, data, models, suites
 from jaxbundle.bundler import bundle
 
+from _results import write_results
+
 
 def robust_accuracy(attack_list, apply_fn, params, x, y, eps, batch):
     """Bundled robust accuracy (%), over batches, and the wall time."""
@@ -137,9 +139,7 @@ def main(argv=None) -> int:
         print(f"l2 {name:9s} smallest budget within 10% / 3% of the best median ({reference:.3f}): "
               f"{out['l2'][f'{name}_gradients_to_within_10pct']} / "
               f"{out['l2'][f'{name}_gradients_to_within_3pct']}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1))
-    print(f"wrote {args.out}")
+    write_results(args.out, out)
     return 0
 
 

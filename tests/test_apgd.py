@@ -11,6 +11,7 @@ from jaxbundle import attacks, norms
 from jaxbundle.attacks.base import WhiteBoxModel
 from jaxbundle.attacks.white_box import apgd as apgd_lib
 from jaxbundle.bundler import bundle
+from attack_checks import assert_refused
 from toys import KEY, images, linear_apply, linear_problem, min_distance
 
 
@@ -28,14 +29,10 @@ def test_factory_names_restarts_and_validation():
     t = attacks.apgd(loss="dlr-targeted", targets=9)
     assert t.name == "apgd-t" and t.num_restarts == 9 and t.gradients == 900
     assert attacks.apgd(restarts=3).num_restarts == 3
-    with pytest.raises(ValueError, match="norm"):
-        attacks.apgd("l1")
-    with pytest.raises(ValueError, match="loss"):
-        attacks.apgd(loss="hinge")
-    with pytest.raises(ValueError, match="steps"):
-        attacks.apgd(steps=0)
-    with pytest.raises(ValueError, match="targets, not restarts"):
-        attacks.apgd(loss="dlr-targeted", restarts=2)
+    assert_refused(attacks.apgd, [
+        (("l1",), "norm"), (dict(loss="hinge"), "loss"), (dict(steps=0), "steps"),
+        (dict(loss="dlr-targeted", restarts=2), "targets, not restarts"),
+    ])
 
 
 def _binary_problem(n=32):

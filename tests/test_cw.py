@@ -23,7 +23,7 @@ from jaxbundle.attacks.white_box.cw import (
     update_const,
 )
 from jaxbundle.bundler import bundle
-from toys import KEY, images, linear_apply, linear_problem, min_distance
+from toys import KEY, images, linear_apply, linear_problem, min_distance, trajectory
 
 INF = np.float32(np.inf)
 
@@ -40,12 +40,7 @@ def _setup(n=16, seed=0, k=4):
 def _run(attack: Attack, model, x, y, eps, keys, restart=0):
     """Runs init and every step eagerly (slow: for tiny runs); returns states and candidates."""
     state = attack.init(attack.config, keys, x, y, eps, model, restart)
-    states, cands = [state], []
-    for _ in range(attack.num_steps):
-        state, cand = attack.step(attack.config, state, model)
-        states.append(state)
-        cands.append(cand)
-    return states, cands
+    return trajectory(state, lambda s: attack.step(attack.config, s, model), attack.num_steps)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))

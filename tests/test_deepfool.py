@@ -11,8 +11,8 @@ from jaxbundle import losses
 from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel
 from jaxbundle.attacks.white_box.deepfool import deepfool
 from jaxbundle.bundler import bundle
+from attack_checks import assert_refused, check_deterministic_and_vmappable, step_flops
 from toys import KEY, images, linear_apply, linear_problem, min_distance, run_steps
-from toys import dot_flops as _dot_flops
 
 
 def _setup(n=16, k=4, seed=0, spread=0.05):
@@ -56,20 +56,11 @@ def test_factory_defaults_and_equality():
 
 
 def test_factory_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="norm"):
-        deepfool("l1")
-    with pytest.raises(ValueError, match="norm"):
-        deepfool("l3")
-    with pytest.raises(ValueError, match="steps"):
-        deepfool(steps=0)
-    with pytest.raises(ValueError, match="candidates"):
-        deepfool(candidates=0)
-    with pytest.raises(ValueError, match="overshoot"):
-        deepfool(overshoot=-0.1)
-    with pytest.raises(ValueError, match="overshoot"):
-        deepfool(overshoot=float("nan"))
-    with pytest.raises(ValueError, match="extra"):
-        deepfool(extra=-1e-4)
+    assert_refused(deepfool, [
+        (("l1",), "norm"), (("l3",), "norm"), (dict(steps=0), "steps"),
+        (dict(candidates=0), "candidates"), (dict(overshoot=-0.1), "overshoot"),
+        (dict(overshoot=float("nan")), "overshoot"), (dict(extra=-1e-4), "extra"),
+    ])
 
 
 def test_too_many_candidates_fail_at_trace_time():
@@ -114,25 +105,14 @@ def test_gradients_per_step_is_exact(candidates):
     pass per candidate (each as costly as the forward pass), nothing else."""
     model, params, x, y, _, _ = _setup()
     attack = deepfool("l2", candidates=candidates)
-    state = attack.init(attack.config, None, x, y, None, model, 0)
-    forward = _dot_flops(jax.make_jaxpr(lambda p, xx: linear_apply(p, xx))(params, x).jaxpr)
-    step = jax.make_jaxpr(lambda s, p: attack.step(attack.config, s, model._replace(params=p)))
-    total = _dot_flops(step(state, params).jaxpr)
+    forward, total = step_flops(attack, model, params, x, y)
     assert forward > 0 and total == forward * (1 + attack.gradients_per_step)
 
 
 def test_deterministic_and_vmappable_over_restarts():
     model, _, x, y, _, _ = _setup()
     attack = deepfool("linf", steps=3, candidates=3)
-    a = _run(attack, model, x, y)[0][-1]
-    b = _run(attack, model, x, y)[0][-1]
-    jax.tree.map(np.testing.assert_array_equal, a, b)
-
-    def run(r):
-        state = attack.init(attack.config, None, x, y, None, model, r)
-        return attack.step(attack.config, state, model)[0].x
-
-    np.testing.assert_allclose(jax.vmap(run)(jnp.arange(2))[1], run(1), rtol=1e-6, atol=1e-6)
+    check_deterministic_and_vmappable(attack, model, x, y)
 
 
 def _mlp_problem(n=32, d=20, h=16, k=5, seed=0):

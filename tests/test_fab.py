@@ -15,7 +15,8 @@ from jaxbundle import attacks, norms
 from jaxbundle.attacks.base import Attack, WhiteBoxModel
 from jaxbundle.attacks.white_box.fab import fab, project_hyperplane
 from jaxbundle.bundler import bundle
-from toys import KEY, dot_flops, images, linear_apply, linear_problem, min_distance
+from attack_checks import step_flops
+from toys import KEY, images, linear_apply, linear_problem, min_distance
 
 DUAL = {"linf": 1, "l2": 2}
 
@@ -142,10 +143,7 @@ def test_gradients_per_step_is_exact(targeted, classes):
     params, _, _, model, x, y = _linear(n=16, k=4)
     attack = fab(targets=3, targeted=targeted)
     assert attack.gradients_per_step == classes
-    state = attack.init(attack.config, None, x, y, None, model, 0)
-    forward = dot_flops(jax.make_jaxpr(lambda p, xx: linear_apply(p, xx))(params, x).jaxpr)
-    step = jax.make_jaxpr(lambda s, p: attack.step(attack.config, s, model._replace(params=p)))
-    total = dot_flops(step(state, params).jaxpr)
+    forward, total = step_flops(attack, model, params, x, y)
     assert forward > 0 and total == forward * (1 + attack.gradients_per_step)
 
 

@@ -11,8 +11,8 @@ from jaxbundle import losses, norms
 from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel
 from jaxbundle.attacks.white_box.fmn import cosine, fmn
 from jaxbundle.bundler import bundle
+from attack_checks import assert_refused, check_deterministic_and_vmappable, step_flops
 from toys import KEY, images, linear_apply, linear_problem, min_distance, run_steps
-from toys import dot_flops as _dot_flops
 
 
 def _run(attack: Attack, model, x, y, steps=None):
@@ -81,18 +81,11 @@ def test_factory_defaults_and_equality():
 
 
 def test_factory_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="norm"):
-        fmn("l0")
-    with pytest.raises(ValueError, match="steps"):
-        fmn(steps=0)
-    with pytest.raises(ValueError, match="alpha_init"):
-        fmn(alpha_init=0.0)
-    with pytest.raises(ValueError, match="alpha_final"):
-        fmn(alpha_final=-1.0)
-    with pytest.raises(ValueError, match="gamma_init"):
-        fmn(gamma_init=1.0)
-    with pytest.raises(ValueError, match="gamma_final"):
-        fmn(gamma_final=-0.1)
+    assert_refused(fmn, [
+        (("l0",), "norm"), (dict(steps=0), "steps"), (dict(alpha_init=0.0), "alpha_init"),
+        (dict(alpha_final=-1.0), "alpha_final"), (dict(gamma_init=1.0), "gamma_init"),
+        (dict(gamma_final=-0.1), "gamma_final"),
+    ])
 
 
 def test_cosine_schedule():
@@ -124,10 +117,7 @@ def test_gradients_per_step_is_exact():
     params, xf, yf = linear_problem(n=16, k=4)
     model, x, y = WhiteBoxModel(linear_apply, params), images(xf), jnp.asarray(yf)
     attack = fmn("l1")
-    state = attack.init(attack.config, None, x, y, None, model, 0)
-    forward = _dot_flops(jax.make_jaxpr(lambda p, xx: linear_apply(p, xx))(params, x).jaxpr)
-    step = jax.make_jaxpr(lambda s, p: attack.step(attack.config, s, model._replace(params=p)))
-    total = _dot_flops(step(state, params).jaxpr)
+    forward, total = step_flops(attack, model, params, x, y)
     assert forward > 0 and total == forward * (1 + attack.gradients_per_step)
 
 
@@ -135,15 +125,7 @@ def test_deterministic_and_vmappable_over_restarts():
     params, xf, yf = linear_problem(n=16, k=4)
     model, x, y = WhiteBoxModel(linear_apply, params), images(xf), jnp.asarray(yf)
     attack = fmn("linf", steps=5)
-    a = _run(attack, model, x, y)[0][-1]
-    b = _run(attack, model, x, y)[0][-1]
-    jax.tree.map(np.testing.assert_array_equal, a, b)
-
-    def run(r):
-        state = attack.init(attack.config, None, x, y, None, model, r)
-        return attack.step(attack.config, state, model)[0].x
-
-    np.testing.assert_allclose(jax.vmap(run)(jnp.arange(2))[1], run(1), rtol=1e-6, atol=1e-6)
+    check_deterministic_and_vmappable(attack, model, x, y)
 
 
 @pytest.mark.parametrize("norm", ["linf", "l2", "l1"])

@@ -9,17 +9,8 @@ import numpy as np
 import pytest
 
 from jaxbundle import norms
-from norm_helpers import (
-    LEVELS,
-    NAMES,
-    grid,
-    in_ball,
-    on_grid,
-    project,
-    quantize,
-    sphere_perturbation,
-    steps,
-)
+from norm_helpers import LEVELS, NAMES, grid, in_ball, on_grid, project, quantize
+from norm_helpers import sphere_perturbation, steps
 
 
 def test_snap_to_grid_rounds_only_the_examples_judged_on_the_grid():

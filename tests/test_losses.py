@@ -12,20 +12,11 @@ from hypothesis.extra import numpy as hnp
 
 from jaxbundle import losses
 
-# Jitted once per (function, shape): op-by-op dispatch compiles every primitive separately.
-J = {
-    name: jax.jit(getattr(losses, name))
-    for name in (
-        "cross_entropy",
-        "margin",
-        "dlr",
-        "targeted_cross_entropy",
-        "targeted_margin",
-        "targeted_dlr",
-        "other_class_max",
-        "wrong_class_confidence",
-    )
-}
+# Every loss function the module exports, jitted once per (function, shape): op-by-op
+# dispatch compiles every primitive separately.
+J = {name: jax.jit(getattr(losses, name))
+     for name in losses.__all__ if name not in ("LOSSES", "get")}
+assert len(J) == 8, sorted(J)
 
 
 # --- Hand-computed values ---------------------------------------------------------------

@@ -12,17 +12,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from jaxbundle import norms
-from norm_helpers import (
-    LEVELS,
-    NAMES,
-    grid,
-    in_ball,
-    on_grid,
-    project,
-    quantize,
-    sphere_perturbation,
-    steps,
-)
+from norm_helpers import LEVELS, NAMES, grid, in_ball, on_grid, project, quantize
+from norm_helpers import sphere_perturbation, steps
 
 ORD = {"linf": np.inf, "l2": 2, "l1": 1}
 DUAL = {"linf": "l1", "l2": "l2", "l1": "linf"}

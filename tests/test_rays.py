@@ -3,37 +3,30 @@ feasibility, determinism, and the linear oracle."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxbundle import norms
-from jaxbundle.attacks.base import Attack, Candidate, LabelOracle, per_example_keys
+from jaxbundle.attacks.base import Candidate, LabelOracle, per_example_keys
 from jaxbundle.attacks.decision_based.rays import (
     NONE_FOUND, _advance, block_order, flip_mask, max_stage, num_blocks, ray_image, rays,
 )
 from jaxbundle.bundler import bundle
+from attack_checks import check_factory, check_states_keep_shape, oracle_problem, traced_queries
 from toys import KEY, images, linear_apply, linear_problem, min_distance, run_steps as _run
 
 B = 8
 
 
 def _setup(seed=1):
-    params, x, y = linear_problem(n=B, k=4, seed=seed)
-    x = images(x)
-    keys = per_example_keys(KEY, jnp.arange(B))
-    eps = jnp.full((B,), 0.1, jnp.float32)
-    return params, LabelOracle(linear_apply, params), x, jnp.asarray(y), eps, keys
+    return oracle_problem(LabelOracle, B, 0.1, seed=seed)
 
 
 def test_factory():
-    a = rays()
-    assert isinstance(a, Attack) and a == rays()
-    hash(a)
-    assert (a.name, a.kind, a.norm, a.goal) == ("rays", "decision-based", "linf", "min_norm")
-    assert (a.num_steps, a.num_restarts, a.gradients_per_step) == (10000, 1, 0)
-    assert (a.init_queries, a.queries_per_step, a.queries) == (1, 1, 10001)
+    check_factory(rays, name="rays", kind="decision-based", norm="linf", goal="min_norm",
+                  num_steps=10000, num_restarts=1, gradients_per_step=0, init_queries=1,
+                  queries_per_step=1, queries=10001)
     assert rays(steps=50, restarts=3, name="r").queries == 153
 
 
@@ -50,20 +43,10 @@ def test_factory_rejects(kwargs, match):
 
 def test_declared_queries_are_exact():
     params, _, x, y, eps, keys = _setup()
-    rows = []
-
-    def counting_apply(p, xx):
-        rows.append(xx.shape[0])
-        return linear_apply(p, xx)
-
-    model = LabelOracle(counting_apply, params)
     a = rays(steps=3)
-    jax.make_jaxpr(lambda: a.init(a.config, keys, x, y, eps, model, 0))()
-    assert sum(rows) == a.init_queries * B
-    state = a.init(a.config, keys, x, y, eps, LabelOracle(linear_apply, params), 0)
-    rows.clear()
-    jax.make_jaxpr(lambda s: a.step(a.config, s, model))(state)
-    assert sum(rows) == a.queries_per_step * B
+    init_rows, step_rows = traced_queries(a, LabelOracle, params, keys, x, y, eps)
+    assert init_rows == a.init_queries * B
+    assert step_rows == a.queries_per_step * B
 
 
 def _reference_blocks(dim, passes):
@@ -180,9 +163,7 @@ def test_iterates_feasible_and_state_consistent():
     params, model, x, y, eps, keys = _setup()
     a = rays(steps=60)
     states, cands = _run(a, model, keys, x, y, eps, 60)
-    assert jax.tree.structure(states[0]) == jax.tree.structure(states[-1])
-    for s0, s1 in zip(jax.tree.leaves(states[0]), jax.tree.leaves(states[-1])):
-        assert s0.shape == s1.shape and s0.dtype == s1.dtype and s0.shape[0] == B
+    check_states_keep_shape(states, B)
     for point in [s.x for s in states] + [c.x for c in cands]:
         assert float(point.min()) >= 0.0 and float(point.max()) <= 1.0
         np.testing.assert_allclose(point * 255, np.round(point * 255), atol=1e-3)

@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 from jaxbundle import norms
-from jaxbundle.attacks.base import Attack, Candidate, ScoreOracle, per_example_keys
+from jaxbundle.attacks.base import Candidate, ScoreOracle, per_example_keys
 from jaxbundle.attacks.score_based.spsa import spsa, spsa_gradient, rademacher
 from jaxbundle.bundler import bundle
+from attack_checks import check_factory, check_states_keep_shape, oracle_problem, traced_queries
 from toys import KEY, images, linear_apply, linear_problem, min_distance, run_steps as _run
 
 B = 8
@@ -19,20 +20,13 @@ EPS = 0.05
 
 
 def _setup(seed=0):
-    params, x, y = linear_problem(n=B, seed=seed)
-    x = images(x)
-    eps = jnp.full((B,), EPS, jnp.float32)
-    keys = per_example_keys(KEY, jnp.arange(B))
-    return params, ScoreOracle(linear_apply, params), x, jnp.asarray(y), eps, keys
+    return oracle_problem(ScoreOracle, B, EPS, seed=seed)
 
 
 def test_factory():
-    a = spsa()
-    assert isinstance(a, Attack) and a == spsa()
-    hash(a)
-    assert (a.name, a.kind, a.norm, a.goal) == ("spsa", "score-based", "linf", "misclassify")
-    assert (a.num_steps, a.num_restarts, a.gradients_per_step) == (100, 1, 0)
-    assert (a.init_queries, a.queries_per_step, a.queries) == (0, 129, 12900)
+    a = check_factory(spsa, name="spsa", kind="score-based", norm="linf", goal="misclassify",
+                      num_steps=100, num_restarts=1, gradients_per_step=0, init_queries=0,
+                      queries_per_step=129, queries=12900)
     assert a.config.samples == 128 and a.config.delta == 0.01 and a.config.learning_rate == 0.01
     assert spsa(steps=3, samples=4, name="s").queries == 15
 
@@ -58,20 +52,10 @@ def test_factory_rejects(kwargs, match):
 def test_declared_queries_are_exact(samples):
     """Count oracle rows at trace time: a call on n * B images is n queries per example."""
     params, _, x, y, eps, keys = _setup()
-    rows = []
-
-    def counting_apply(p, xx):
-        rows.append(xx.shape[0])
-        return linear_apply(p, xx)
-
-    model = ScoreOracle(counting_apply, params)
     a = spsa(steps=2, samples=samples)
-    jax.make_jaxpr(lambda: a.init(a.config, keys, x, y, eps, model, 0))()
-    assert sum(rows) == a.init_queries * B
-    state = a.init(a.config, keys, x, y, eps, ScoreOracle(linear_apply, params), 0)
-    rows.clear()
-    jax.make_jaxpr(lambda s: a.step(a.config, s, model))(state)
-    assert sum(rows) == a.queries_per_step * B == (samples + 1) * B
+    init_rows, step_rows = traced_queries(a, ScoreOracle, params, keys, x, y, eps)
+    assert init_rows == a.init_queries * B
+    assert step_rows == a.queries_per_step * B == (samples + 1) * B
 
 
 def test_gradient_estimate_on_a_linear_margin():
@@ -93,9 +77,7 @@ def test_iterates_in_box_and_ball_and_candidates_honest():
     params, model, x, y, eps, keys = _setup()
     a = spsa(steps=6, samples=16)
     states, cands = _run(a, model, keys, x, y, eps, 6)
-    assert jax.tree.structure(states[0]) == jax.tree.structure(states[-1])
-    for s0, s1 in zip(jax.tree.leaves(states[0]), jax.tree.leaves(states[-1])):
-        assert s0.shape == s1.shape and s0.dtype == s1.dtype and s0.shape[0] == B
+    check_states_keep_shape(states, B)
     for point in [s.x for s in states] + [c.x for c in cands]:
         assert float(point.min()) >= 0.0 and float(point.max()) <= 1.0
         assert np.all(np.asarray(norms.in_ball(point - x, eps, "linf")))

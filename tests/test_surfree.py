@@ -16,7 +16,7 @@ from jaxbundle.attacks.decision_based.surfree import (
     surfree,
 )
 from jaxbundle.bundler import bundle
-from toys import KEY, images, linear_apply, linear_problem, min_distance
+from toys import KEY, images, linear_apply, linear_problem, min_distance, trajectory
 
 PARAMS, X, Y = linear_problem()
 X0 = images(X)
@@ -31,14 +31,8 @@ STEP = jax.jit(lambda s: ATTACK.step(ATTACK.config, s, MODEL))
 
 
 def _run(x0=X0, y=Y0, keys=KEYS, steps=5, state=None):
-    init, step = INIT, STEP
-    state = init(keys, x0, y) if state is None else state
-    states, cands = [state], []
-    for _ in range(steps):
-        state, cand = step(state)
-        states.append(state)
-        cands.append(cand)
-    return states, cands
+    state = INIT(keys, x0, y) if state is None else state
+    return trajectory(state, STEP, steps)
 
 
 def _on_grid(x) -> bool:

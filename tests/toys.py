@@ -58,16 +58,22 @@ def images(x, shape=(4, 5, 1)):
 KEY = jax.random.key(0)
 
 
-def run_steps(attack, model, keys, x, y, eps, steps, restart=0):
-    """All states and candidates of ``steps`` jitted steps of ``attack`` after its ``init``."""
-    step = jax.jit(lambda s: attack.step(attack.config, s, model))
-    state = attack.init(attack.config, keys, x, y, eps, model, restart)
+def trajectory(state, step, steps):
+    """``[state]`` and the states after each of ``steps`` calls of ``step`` (``state ->
+    (state, candidate)``), and the candidates."""
     states, cands = [state], []
     for _ in range(steps):
         state, cand = step(state)
         states.append(state)
         cands.append(cand)
     return states, cands
+
+
+def run_steps(attack, model, keys, x, y, eps, steps, restart=0):
+    """All states and candidates of ``steps`` jitted steps of ``attack`` after its ``init``."""
+    step = jax.jit(lambda s: attack.step(attack.config, s, model))
+    state = attack.init(attack.config, keys, x, y, eps, model, restart)
+    return trajectory(state, step, steps)
 
 
 def dot_flops(jaxpr) -> int:

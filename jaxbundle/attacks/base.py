@@ -56,6 +56,8 @@ __all__ = [
     "InitFn",
     "StepFn",
     "per_example_keys",
+    "query_attack",
+    "white_box_attack",
 ]
 
 KINDS = ("white-box", "score-based", "decision-based")
@@ -334,6 +336,50 @@ class Attack(NamedTuple):
     def rename(self, name: str) -> "Attack":
         """The same attack under another name (names must be unique within a bundle)."""
         return self._replace(name=name)
+
+
+def white_box_attack(
+    name: str,
+    norm: str,
+    steps: int,
+    init: InitFn,
+    step: StepFn,
+    config: Any,
+    *,
+    restarts: int = 1,
+    gradients_per_step: int = 1,
+    goal: str = "misclassify",
+) -> Attack:
+    """A white-box :class:`Attack`: ``gradients_per_step`` gradients per step, example and
+    restart, and no queries counted (what every white-box factory returns)."""
+    return Attack(
+        name=name, kind="white-box", norm=norm, num_steps=steps, num_restarts=restarts,
+        gradients_per_step=gradients_per_step, init=init, step=step, config=config, goal=goal,
+    )
+
+
+def query_attack(
+    kind: str,
+    name: str,
+    norm: str,
+    steps: int,
+    init: InitFn,
+    step: StepFn,
+    config: Any,
+    *,
+    init_queries: int,
+    queries_per_step: int,
+    restarts: int = 1,
+    goal: str = "misclassify",
+) -> Attack:
+    """A black-box :class:`Attack` of ``kind`` ``"score-based"`` or ``"decision-based"``: no
+    gradients, ``init_queries`` model queries in init and ``queries_per_step`` in each step per
+    example and restart (what every black-box factory returns)."""
+    return Attack(
+        name=name, kind=kind, norm=norm, num_steps=steps, num_restarts=restarts,
+        gradients_per_step=0, init=init, step=step, config=config, goal=goal,
+        init_queries=init_queries, queries_per_step=queries_per_step,
+    )
 
 
 def per_example_keys(key: jax.Array, example_id: jax.Array) -> jax.Array:

@@ -61,7 +61,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxbundle import norms
-from jaxbundle.attacks.base import Attack, Candidate, LabelOracle, check_count
+from jaxbundle.attacks.base import Attack, Candidate, LabelOracle, check_count, query_attack
 
 __all__ = [
     "RaySConfig", "RaySState", "ray_image", "block_order", "block_size", "flip_mask", "init",
@@ -242,17 +242,6 @@ def rays(
     """
     for label, value in (("steps", steps), ("search_steps", search_steps), ("restarts", restarts)):
         check_count("rays", label, value)
-    return Attack(
-        name=name or "rays",
-        kind="decision-based",
-        norm="linf",
-        num_steps=steps,
-        num_restarts=restarts,
-        gradients_per_step=0,
-        init=init,
-        step=step,
-        config=RaySConfig(steps, search_steps),
-        goal="min_norm",
-        init_queries=1,
-        queries_per_step=1,
-    )
+    return query_attack("decision-based", name or "rays", "linf", steps, init, step,
+                        RaySConfig(steps, search_steps), restarts=restarts, goal="min_norm",
+                        init_queries=1, queries_per_step=1)

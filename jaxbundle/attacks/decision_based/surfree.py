@@ -85,8 +85,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxbundle import norms
-from jaxbundle.attacks.base import Attack, Candidate, LabelOracle, check_count
-from jaxbundle.attacks.decision_based.surfree_geometry import (
+from jaxbundle.attacks.base import Attack, Candidate, LabelOracle, check_count, query_attack
+from jaxbundle.attacks.decision_based._surfree_geometry import (
     circle_point,
     orthogonalize,
     sample_directions,
@@ -497,20 +497,9 @@ def surfree(
     first, per_step = init_queries(config), config.queries_per_step
     steps = _steps_in_budget(config, queries, restarts)
     config = config._replace(num_steps=steps)
-    return Attack(
-        name=name or "surfree",
-        kind="decision-based",
-        norm="l2",
-        num_steps=steps,
-        num_restarts=restarts,
-        gradients_per_step=0,
-        init=init,
-        step=step,
-        config=config,
-        goal="min_norm",
-        init_queries=first,
-        queries_per_step=per_step,
-    )
+    return query_attack("decision-based", name or "surfree", "l2", steps, init, step, config,
+                        restarts=restarts, goal="min_norm", init_queries=first,
+                        queries_per_step=per_step)
 
 
 def _checked_config(

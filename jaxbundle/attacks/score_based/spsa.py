@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxbundle import losses, norms
-from jaxbundle.attacks.base import Attack, Candidate, ScoreOracle, check_count
+from jaxbundle.attacks.base import Attack, Candidate, ScoreOracle, check_count, query_attack
 
 __all__ = ["SPSAConfig", "SPSAState", "rademacher", "spsa_gradient", "init", "step", "spsa"]
 
@@ -147,16 +147,6 @@ def spsa(
     for label, value in (("delta", delta), ("learning_rate", learning_rate)):
         if not 0.0 < value < float("inf"):
             raise ValueError(f"spsa {label} must be positive and finite, got {value!r}")
-    return Attack(
-        name=name or "spsa",
-        kind="score-based",
-        norm=norm,
-        num_steps=steps,
-        num_restarts=1,
-        gradients_per_step=0,
-        init=init,
-        step=step,
-        config=SPSAConfig(norm, samples, float(delta), float(learning_rate)),
-        init_queries=0,
-        queries_per_step=samples + 1,
-    )
+    config = SPSAConfig(norm, samples, float(delta), float(learning_rate))
+    return query_attack("score-based", name or "spsa", norm, steps, init, step, config,
+                        init_queries=0, queries_per_step=samples + 1)

@@ -64,7 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxbundle import losses, norms
-from jaxbundle.attacks.base import Attack, Candidate, ScoreOracle, check_count
+from jaxbundle.attacks.base import Attack, Candidate, ScoreOracle, check_count, query_attack
 
 __all__ = [
     "SquareConfig",
@@ -448,17 +448,6 @@ def square(
         raise ValueError(f"square p_init must lie in (0, 1], got {p_init}")
     init_queries = 1
     num_steps = int(queries) - init_queries
-    return Attack(
-        name=name or "square",
-        kind="score-based",
-        norm=norm,
-        num_steps=num_steps,
-        num_restarts=1,
-        gradients_per_step=0,
-        init=init,
-        step=step,
-        config=SquareConfig(norm, num_steps, float(p_init), bool(grid), bool(rescale_schedule)),
-        goal="misclassify",
-        init_queries=init_queries,
-        queries_per_step=1,
-    )
+    config = SquareConfig(norm, num_steps, float(p_init), bool(grid), bool(rescale_schedule))
+    return query_attack("score-based", name or "square", norm, num_steps, init, step, config,
+                        init_queries=init_queries, queries_per_step=1)

@@ -60,7 +60,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxbundle import losses, norms
-from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel, check_count
+from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel, check_count, white_box_attack
 
 __all__ = [
     "LOSSES",
@@ -289,24 +289,16 @@ def apgd(
     if targeted and restarts != 1:
         raise ValueError("a targeted apgd runs one restart per target: set targets, not restarts")
     default_name = "apgd-t" if loss == "dlr-targeted" else f"apgd-{loss}"
-    return Attack(
-        name=name or default_name,
-        kind="white-box",
+    config = APGDConfig(
         norm=norm,
+        loss=loss,
         num_steps=steps,
-        num_restarts=targets if targeted else restarts,
-        gradients_per_step=1,
-        init=init,
-        step=step,
-        config=APGDConfig(
-            norm=norm,
-            loss=loss,
-            num_steps=steps,
-            checkpoints=checkpoints(steps, schedule),
-            alpha=0.75,
-            rho=0.75,
-            initial_step=2.0,
-            targets=targets if targeted else 0,
-            schedule=schedule,
-        ),
+        checkpoints=checkpoints(steps, schedule),
+        alpha=0.75,
+        rho=0.75,
+        initial_step=2.0,
+        targets=targets if targeted else 0,
+        schedule=schedule,
     )
+    return white_box_attack(name or default_name, norm, steps, init, step, config,
+                            restarts=targets if targeted else restarts)

@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxbundle import losses, norms
-from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel, check_count
+from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel, check_count, white_box_attack
 
 __all__ = ["BPConfig", "BPState", "init", "step", "bp", "schedule", "in_step", "out_step"]
 
@@ -198,18 +198,7 @@ def bp(
         )
     if not 0.0 <= overshoot < 1.0:
         raise ValueError(f"bp overshoot must lie in [0, 1), got {overshoot}")
-    return Attack(
-        name=name or "bp-variant",
-        kind="white-box",
-        norm=norm,
-        num_steps=steps,
-        num_restarts=1,
-        gradients_per_step=1,
-        init=init,
-        step=step,
-        config=BPConfig(
-            steps, max(steps // 3, 1), float(gamma_min), float(gamma_max), float(overshoot),
-            bool(quantize),
-        ),
-        goal="min_norm",
-    )
+    config = BPConfig(steps, max(steps // 3, 1), float(gamma_min), float(gamma_max),
+                      float(overshoot), bool(quantize))
+    return white_box_attack(name or "bp-variant", norm, steps, init, step, config,
+                            goal="min_norm")

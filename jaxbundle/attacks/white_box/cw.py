@@ -56,7 +56,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxbundle import losses, norms
-from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel, check_count
+from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel, check_count, white_box_attack
 
 __all__ = [
     "CWConfig",
@@ -289,25 +289,10 @@ def cw(
         raise ValueError(f"cw learning_rate must be positive and finite, got {learning_rate}")
     if not confidence >= 0 or confidence == float("inf"):
         raise ValueError(f"cw confidence must be >= 0 and finite, got {confidence}")
-    return Attack(
-        name=name or ("cw-l2-abort" if abort_early else "cw-l2-light"),
-        kind="white-box",
-        norm="l2",
-        num_steps=steps * search_steps,
-        num_restarts=1,
-        gradients_per_step=1,
-        init=init,
-        step=step,
-        config=CWConfig(
-            steps,
-            search_steps,
-            float(initial_const),
-            float(learning_rate),
-            float(confidence),
-            bool(abort_early),
-        ),
-        goal="min_norm",
-    )
+    config = CWConfig(steps, search_steps, float(initial_const), float(learning_rate),
+                      float(confidence), bool(abort_early))
+    return white_box_attack(name or ("cw-l2-abort" if abort_early else "cw-l2-light"), "l2",
+                            steps * search_steps, init, step, config, goal="min_norm")
 
 
 def cw_reference(

@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxbundle import losses, norms
-from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel, check_count
+from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel, check_count, white_box_attack
 
 __all__ = ["DeepFoolConfig", "DeepFoolState", "init", "step", "deepfool"]
 
@@ -163,16 +163,7 @@ def deepfool(
         raise ValueError(f"deepfool overshoot must be finite and >= 0, got {overshoot!r}")
     if not 0.0 <= extra < float("inf"):
         raise ValueError(f"deepfool extra must be finite and >= 0, got {extra!r}")
-    return Attack(
-        name=name or "deepfool",
-        kind="white-box",
-        norm=norm,
-        num_steps=steps,
-        num_restarts=1,
-        gradients_per_step=candidates,
-        init=init,
-        step=step,
-        config=DeepFoolConfig(norm=norm, candidates=candidates, overshoot=float(overshoot),
-                              extra=float(extra)),
-        goal="min_norm",
-    )
+    config = DeepFoolConfig(norm=norm, candidates=candidates, overshoot=float(overshoot),
+                            extra=float(extra))
+    return white_box_attack(name or "deepfool", norm, steps, init, step, config,
+                            gradients_per_step=candidates, goal="min_norm")

@@ -70,7 +70,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxbundle import losses, norms
-from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel, check_count
+from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel, check_count, white_box_attack
 
 __all__ = ["FABConfig", "FABState", "project_hyperplane", "init", "step", "fab"]
 
@@ -316,17 +316,9 @@ def fab(
     if not 0.0 < beta <= 1.0:
         raise ValueError(f"fab beta must be in (0, 1], got {beta!r}")
     targeted = bool(targeted)
-    return Attack(
-        name=name or ("fab-t" if targeted else "fab"),
-        kind="white-box",
-        norm=norm,
-        num_steps=steps,
-        num_restarts=targets * restarts if targeted else restarts,
-        gradients_per_step=1 if targeted else targets,
-        init=init,
-        step=step,
-        config=FABConfig(
-            norm, targeted, targets, restarts, float(alpha_max), float(eta), float(beta)
-        ),
-        goal="min_norm",
+    config = FABConfig(norm, targeted, targets, restarts, float(alpha_max), float(eta), float(beta))
+    return white_box_attack(
+        name or ("fab-t" if targeted else "fab"), norm, steps, init, step, config,
+        restarts=targets * restarts if targeted else restarts,
+        gradients_per_step=1 if targeted else targets, goal="min_norm",
     )

@@ -17,7 +17,8 @@ from typing import NamedTuple
 import jax
 
 from jaxbundle import losses, norms
-from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel
+from jaxbundle.attacks.base import Attack, WhiteBoxModel, white_box_attack
+from jaxbundle.attacks.white_box.pgd import gradient_step
 
 __all__ = ["FGSMConfig", "FGSMState", "init", "step", "fgsm"]
 
@@ -40,15 +41,8 @@ def init(config: FGSMConfig, keys, x0, y, eps, model, restart) -> FGSMState:
 
 
 def step(config: FGSMConfig, state: FGSMState, model: WhiteBoxModel):
-    _, grad, logits = model.loss_and_grad(losses.get(config.loss), state.x, state.y)
-    direction = norms.normalize(grad, config.norm)
-    x_new = norms.project(
-        state.x0 + norms.per_example(state.eps, direction) * direction,
-        state.x0,
-        state.eps,
-        config.norm,
-    )
-    return state._replace(x=x_new), Candidate(state.x, logits)
+    """One step of length eps from ``x0`` (PGD's :func:`~.pgd.gradient_step`)."""
+    return gradient_step(config.loss, config.norm, state, model, state.x0, state.eps)
 
 
 def fgsm(norm: str = "linf", loss: str = "ce", name: str | None = None) -> Attack:
@@ -69,14 +63,4 @@ def fgsm(norm: str = "linf", loss: str = "ce", name: str | None = None) -> Attac
         raise ValueError(f"fgsm supports norms 'linf' and 'l2', not {norm!r}")
     losses.get(loss)
     default = "fgsm" if loss == "ce" else f"fgsm-{loss}"
-    return Attack(
-        name=name or default,
-        kind="white-box",
-        norm=norm,
-        num_steps=1,
-        num_restarts=1,
-        gradients_per_step=1,
-        init=init,
-        step=step,
-        config=FGSMConfig(norm=norm, loss=loss),
-    )
+    return white_box_attack(name or default, norm, 1, init, step, FGSMConfig(norm=norm, loss=loss))

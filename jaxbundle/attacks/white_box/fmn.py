@@ -56,7 +56,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxbundle import losses, norms
-from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel, check_count
+from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel, check_count, white_box_attack
 
 __all__ = ["FMNConfig", "FMNState", "DEFAULT_ALPHA_INIT", "cosine", "init", "step", "fmn"]
 
@@ -172,23 +172,6 @@ def fmn(
     for label, value in (("gamma_init", gamma_init), ("gamma_final", gamma_final)):
         if not 0.0 <= value < 1.0:
             raise ValueError(f"fmn {label} must be in [0, 1), got {value!r}")
-    return Attack(
-        name=name or "fmn",
-        kind="white-box",
-        norm=norm,
-        num_steps=steps,
-        num_restarts=1,
-        gradients_per_step=1,
-        init=init,
-        step=step,
-        config=FMNConfig(
-            norm,
-            steps,
-            float(alpha_init),
-            float(alpha_final),
-            float(gamma_init),
-            float(gamma_final),
-            bool(boundary_slack),
-        ),
-        goal="min_norm",
-    )
+    config = FMNConfig(norm, steps, float(alpha_init), float(alpha_final), float(gamma_init),
+                       float(gamma_final), bool(boundary_slack))
+    return white_box_attack(name or "fmn", norm, steps, init, step, config, goal="min_norm")

@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxbundle import losses, norms
-from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel, check_count
+from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel, check_count, white_box_attack
 
-__all__ = ["PGDConfig", "PGDState", "init", "step", "pgd"]
+__all__ = ["PGDConfig", "PGDState", "gradient_step", "init", "step", "pgd"]
 
 
 class PGDConfig(NamedTuple):
@@ -53,16 +53,20 @@ def init(config: PGDConfig, keys, x0, y, eps, model, restart) -> PGDState:
     return PGDState(x=x, x0=x0, y=y, eps=eps, step_size=alpha)
 
 
-def step(config: PGDConfig, state: PGDState, model: WhiteBoxModel):
-    _, grad, logits = model.loss_and_grad(losses.get(config.loss), state.x, state.y)
-    direction = norms.normalize(grad, config.norm)
+def gradient_step(loss: str, norm: str, state, model: WhiteBoxModel, start, size):
+    """The step PGD and FGSM share: the gradient of ``loss`` at ``state.x``, normalised for
+    ``norm``, times ``size`` ``[B]`` from ``start``, projected onto the box and the eps ball
+    around ``state.x0``; the candidate is ``state.x`` with its logits."""
+    _, grad, logits = model.loss_and_grad(losses.get(loss), state.x, state.y)
+    direction = norms.normalize(grad, norm)
     x_new = norms.project(
-        state.x + norms.per_example(state.step_size, direction) * direction,
-        state.x0,
-        state.eps,
-        config.norm,
+        start + norms.per_example(size, direction) * direction, state.x0, state.eps, norm
     )
     return state._replace(x=x_new), Candidate(state.x, logits)
+
+
+def step(config: PGDConfig, state: PGDState, model: WhiteBoxModel):
+    return gradient_step(config.loss, config.norm, state, model, state.x, state.step_size)
 
 
 def pgd(
@@ -98,14 +102,6 @@ def pgd(
     check_count("pgd", "restarts", restarts)
     if step_size is not None and not step_size > 0:
         raise ValueError(f"pgd step_size must be positive, got {step_size}")
-    return Attack(
-        name=name or f"pgd-{loss}",
-        kind="white-box",
-        norm=norm,
-        num_steps=steps,
-        num_restarts=restarts,
-        gradients_per_step=1,
-        init=init,
-        step=step,
-        config=PGDConfig(norm, loss, steps, step_size, random_start),
-    )
+    config = PGDConfig(norm, loss, steps, step_size, random_start)
+    return white_box_attack(name or f"pgd-{loss}", norm, steps, init, step, config,
+                            restarts=restarts)
