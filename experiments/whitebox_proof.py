@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbundle import attacks, data, models, suites
+from jaxbundle import attacks, bundles, data, models
 from jaxbundle.bundler import bundle
 
 from _results import write_results
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
             "pgd-ce-100x10": [attacks.pgd("linf", "ce", steps=100, restarts=10)],
             "apgd-ce": [attacks.apgd("linf", "ce", steps=100)],
             "apgd-t": [attacks.apgd("linf", "dlr-targeted", steps=100, targets=9)],
-            "standard": list(suites.bundle_attacks("standard", "linf")),
+            "standard": list(bundles.bundle_attacks("standard", "linf")),
         }
         for name, attack_list in runs.items():
             acc, seconds = robust_accuracy(attack_list, apply_fn, params, x, y, 0.3, args.batch)
