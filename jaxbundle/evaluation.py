@@ -66,8 +66,9 @@ def default_mesh() -> Mesh | None:
 def for_model(plan: Plan, apply_fn: Callable) -> tuple[Callable, tuple]:
     """The model and the attacks the plan runs on it: a stochastic model judged with the plan's
     ``judge_calls`` / ``success_threshold`` (its own where None) and attacked with ``eot``
-    samples per call; a deterministic one as it is (the plan's stochastic fields must then be
-    unset: :meth:`Plan.check`)."""
+    samples per call (an attack built with its own, :func:`jaxbundle.with_eot`, keeps it); a
+    deterministic one as it is (the plan's stochastic fields must then be unset:
+    :meth:`Plan.check`)."""
     plan.check(apply_fn)
     attacks = plan.attack_values()
     if not sampling.is_stochastic(apply_fn):
@@ -78,7 +79,8 @@ def for_model(plan: Plan, apply_fn: Callable) -> tuple[Callable, tuple]:
         threshold=apply_fn.threshold if plan.success_threshold is None
         else plan.success_threshold,
     )
-    return model, sampling.with_eot(attacks, plan.eot)
+    # The plan's EOT for every attack that does not carry its own (jaxbundle.with_eot).
+    return model, tuple(a._replace(eot=plan.eot) if a.eot == 1 else a for a in attacks)
 
 
 def _as_source(data: Any, plan: Plan, apply_fn: Callable, params: Any) -> data_lib.Source:

@@ -159,7 +159,7 @@ class Plan:
             "bundle": self.bundle,
             "attacks": [{"name": a.name, "kind": a.kind, "goal": a.goal, "steps": a.num_steps,
                          "restarts": a.num_restarts, "gradients": a.gradients,
-                         "queries": a.queries} for a in attacks],
+                         "queries": a.queries, "eot": a.eot} for a in attacks],
             "overrides": {"steps": self.steps, "restarts": self.restarts,
                           "step_size": self.step_size, "queries": self.queries},
             "schedule": {"mode": self.mode, "goal": self.goal, "threshold": self.threshold,
@@ -220,7 +220,12 @@ def _check_attacks(plan: Plan) -> tuple[Attack, ...]:
         raise ValueError(f"queries sets the query budget of "
                          f"{', '.join(sorted(suites.QUERY_ATTACKS))}; no attack of this plan "
                          "has one")
-    return validation.check_attacks(plan.attack_values(), plan.norm)
+    built = validation.check_attacks(plan.attack_values(), plan.norm)
+    for a in built:  # an Attack value may carry its own EOT (jaxbundle.with_eot)
+        if a.eot != 1 and plan.eot not in (1, a.eot):
+            raise ValueError(f"attack {a.name!r} carries eot={a.eot} and the plan eot="
+                             f"{plan.eot}: set one of them")
+    return built
 
 
 def _check_schedule(plan: Plan, attacks: tuple[Attack, ...]) -> None:

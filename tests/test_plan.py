@@ -198,6 +198,8 @@ _BAD = [
     (dict(unroll=0), "unroll must be a positive integer or a bool", None),
     (dict(restart_mode="pmap"), "restart_mode must be one of", None),
     (dict(eot=0), "eot must be a positive integer", None),
+    (dict(attacks=tuple(jaxbundle.with_eot([attacks_lib.fgsm()], 4)), eot=2),
+     "attack 'fgsm' carries eot=4 and the plan eot=2: set one of them", None),
     (dict(judge_calls=0), "judge_calls must be a positive integer", None),
     (dict(success_threshold=1.0), "success_threshold must be a success rate in [0, 1)", None),
 ]
