@@ -332,16 +332,16 @@ def test_evaluation_reports_rates_and_the_randomness_check():
     checked = evaluate(ignores, params, (x, y), plan.replace(eot=2, batch_size=250))
     assert "every attack averages pgd-ce 2" in checked.metrics["checks"]["randomness"]["saw"]
     assert not checked.metrics["checks"]["randomness"]["passed"]
-    with pytest.raises(ValueError, match="eot=2 but the model is deterministic"):
-        evaluate(linear_apply, params, (x, y),
-                 Plan(eps=eps, attacks=tuple(jaxbundle.with_eot([pgd], 2))))
+    for deterministic in (Plan(eps=eps, attacks=tuple(jaxbundle.with_eot([pgd], 2))),
+                          Plan(eps=eps, attacks=(pgd,), eot=2)):
+        with pytest.raises(ValueError, match="eot=2 but the model is deterministic"):
+            evaluate(linear_apply, params, (x, y), deterministic)
 
 
-@pytest.mark.xfail(strict=True, reason="library bug: evaluation.for_model applies the plan's "
-                   "eot (default 1) over the eot the Attack values carry (jaxbundle.with_eot)")
 def test_attacks_given_with_eot_keep_it_in_an_evaluation():
     """Attack values built with ``jaxbundle.with_eot`` run as the plan's ``eot`` does: the same
-    per-example result, every gradient counting its samples."""
+    per-example result, every gradient counting its samples; both set and different is an
+    error."""
     from jaxbundle import Plan, evaluate
 
     params, x, y, eps = _noisy_problem(n=8)
@@ -353,6 +353,9 @@ def test_attacks_given_with_eot_keep_it_in_an_evaluation():
     assert given.metrics["stochastic"]["eot"] == {"pgd-ce": 4}
     for k in by_plan.per_example:
         np.testing.assert_array_equal(given.per_example[k], by_plan.per_example[k], err_msg=k)
+    with pytest.raises(ValueError, match="carries eot=4 and the plan eot=2: set one of them"):
+        evaluate(model, params, (x, y),
+                 plan.replace(attacks=jaxbundle.with_eot([pgd], 4), eot=2))
 
 
 def test_randomized_demo_defence_transform():
