@@ -338,18 +338,9 @@ class Attack(NamedTuple):
         return self._replace(name=name)
 
 
-def white_box_attack(
-    name: str,
-    norm: str,
-    steps: int,
-    init: InitFn,
-    step: StepFn,
-    config: Any,
-    *,
-    restarts: int = 1,
-    gradients_per_step: int = 1,
-    goal: str = "misclassify",
-) -> Attack:
+def white_box_attack(name: str, norm: str, steps: int, init: InitFn, step: StepFn, config: Any,
+                     *, restarts: int = 1, gradients_per_step: int = 1,
+                     goal: str = "misclassify") -> Attack:
     """A white-box :class:`Attack`: ``gradients_per_step`` gradients per step, example and
     restart, and no queries counted (what every white-box factory returns)."""
     return Attack(
@@ -358,20 +349,9 @@ def white_box_attack(
     )
 
 
-def query_attack(
-    kind: str,
-    name: str,
-    norm: str,
-    steps: int,
-    init: InitFn,
-    step: StepFn,
-    config: Any,
-    *,
-    init_queries: int,
-    queries_per_step: int,
-    restarts: int = 1,
-    goal: str = "misclassify",
-) -> Attack:
+def query_attack(kind: str, name: str, norm: str, steps: int, init: InitFn, step: StepFn,
+                 config: Any, *, init_queries: int, queries_per_step: int, restarts: int = 1,
+                 goal: str = "misclassify") -> Attack:
     """A black-box :class:`Attack` of ``kind`` ``"score-based"`` or ``"decision-based"``: no
     gradients, ``init_queries`` model queries in init and ``queries_per_step`` in each step per
     example and restart (what every black-box factory returns)."""
