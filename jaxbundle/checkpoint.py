@@ -85,8 +85,8 @@ class State(NamedTuple):
     batches_done: int
     counts: Counts
     chunks: dict[str, list[np.ndarray]]
-    stages: np.ndarray  # [A, 4] cascade only, per attack: examples attacked, rows computed,
-    #   gradients and queries spent
+    stages: np.ndarray  # [A, 5] cascade only, per attack: examples attacked, rows computed,
+    #   gradients and queries spent, survivors it could have run on
     gallery: tuple[np.ndarray, np.ndarray]
 
 

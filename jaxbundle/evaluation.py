@@ -296,7 +296,7 @@ def _empty_state(run: _Run, uint8_images: bool) -> checkpoint.State:
     # Host-side state only (numpy): counts are summed here, never by eager ops on global arrays.
     return checkpoint.State(
         0, jax.tree.map(np.asarray, Counts.empty(run.setting)), {},
-        np.zeros((len(run.model.attacks), 4), np.int64),
+        np.zeros((len(run.model.attacks), runners.STAGE_COLUMNS), np.int64),
         (np.zeros(0, np.int32),
          np.zeros((0, *run.source.shape), np.uint8 if uint8_images else np.float32)),
     )

@@ -29,7 +29,9 @@ def attack_rows(metrics: dict) -> list[tuple[str, float | None]]:
     robust accuracy after each stage of a cascade, with the examples each stage ran on."""
     if (metrics.get("schedule") or {}).get("stages") is not None:  # a cascade's stages
         return [
-            (f"after {s['attack']} ({s['examples']} attacked)", s["robust_accuracy"])
+            (f"after {s['attack']} ({s['examples']} attacked"
+             + (f", {s['skipped']} survivors skipped)" if s.get("skipped") else ")"),
+             s["robust_accuracy"])
             for s in metrics["schedule"]["stages"]
         ]
     rows = [(f"MAT  {name}", acc) for name, acc in metrics["mat"].items()]
@@ -171,8 +173,10 @@ def markdown(report: dict) -> str:
             "",
             *([f"{m['stochastic']['statement']}; {_rates(m['stochastic'])}.", ""]
               if m.get("stochastic") else []),
-            f"Fooled only by black-box attacks: {m.get('black_box_only', 0)} examples.",
-            "",
+            *([f"{m['schedule']['statement']}.", ""]
+              if (m.get("schedule") or {}).get("statement") else []),
+            *([f"Fooled only by black-box attacks: {m['black_box_only']} examples.", ""]
+              if m.get("black_box_only") is not None else []),
         ]
         checks = (m.get("checks") or {})
         if checks:
@@ -221,6 +225,9 @@ def print_tables(console: Console, results: dict[str, tuple[Evaluation, float]])
         m = evaluation.metrics
         console.print(table(name, m))
         console.print(f"  judged: {m['judging']['statement']}", highlight=False, soft_wrap=True)
+        if (m.get("schedule") or {}).get("statement"):
+            console.print(f"  [bold]upper bound:[/bold] {m['schedule']['statement']}",
+                          highlight=False, soft_wrap=True)
         if m.get("stochastic"):
             console.print(f"  {m['stochastic']['statement']}; {_rates(m['stochastic'])}",
                           highlight=False, soft_wrap=True)

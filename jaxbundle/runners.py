@@ -56,7 +56,8 @@ class Runner(Protocol):
 
     def run(self, plan: Plan, model: Model, batch: Batch) -> tuple[Counts, dict, np.ndarray]:
         """The batch's counts and per-example outputs (device arrays, replicated) and each
-        stage's spending ``[A, 4]`` (examples, rows, gradients, queries; zeros in full)."""
+        stage's counts ``[A, STAGE_COLUMNS]`` (examples, rows, gradients, queries, survivors;
+        zeros in full)."""
 
     def figures(self, plan: Plan, metrics: dict, per_example: dict, attacks, stages) -> dict:
         """The figures the schedule sets (``schedule``, and what it replaces)."""
@@ -72,10 +73,11 @@ class _Full:
             goal_names=model.goal_names, norm=plan.norm, judging=plan.judging,
             unroll=plan.unroll, restart_mode=plan.restart_mode, mesh=model.mesh,
         )
-        return counts, outputs, np.zeros((len(model.attacks), 4), np.int64)
+        return counts, outputs, np.zeros((len(model.attacks), STAGE_COLUMNS), np.int64)
 
     def figures(self, plan: Plan, metrics: dict, per_example: dict, attacks, stages) -> dict:
-        return {"schedule": dict(plan.describe()["schedule"], stages=None)}
+        return {"schedule": dict(plan.describe()["schedule"], stages=None, skipped=0,
+                                 statement=None)}
 
 
 class _Cascade:
@@ -96,6 +98,8 @@ class _Cascade:
     def figures(self, plan: Plan, metrics: dict, per_example: dict, attacks, stages) -> dict:
         return _cascade_figures(plan, metrics, per_example, attacks, stages)
 
+
+STAGE_COLUMNS = len(schedule_lib.Stage._fields) - 1  # a stage's counts, its attack aside
 
 RUNNERS: dict[str, Runner] = {"full": _Full(), "cascade": _Cascade()}
 
@@ -156,16 +160,25 @@ def _cascade_figures(plan: Plan, metrics: dict, per_example: dict, attacks, stag
     n = len(ok)
     rows = []
     for k, a in enumerate(attacks):
-        examples, computed, gradients, queries = (int(v) for v in stages[k])
+        examples, computed, gradients, queries, survivors = (int(v) for v in stages[k])
         rows.append({
-            "attack": a.name, "examples": examples, "rows": computed,
+            "attack": a.name, "survivors": survivors, "examples": examples,
+            "skipped": survivors - examples, "rows": computed,
             "gradients": gradients, "queries": queries,
             "robust_accuracy": 100.0 * float(np.sum(ok & ~fooled[:, k])) / n,
         })
     black = [a.black_box for a in attacks]
     white_first = not any(b and not c for b, c in zip(black, black[1:]))  # no white after black
+    skipped = sum(row["skipped"] for row in rows)
+    statement = None if not skipped else (
+        "stages left survivors unattacked ("
+        + ", ".join(f"{r['attack']}: {r['skipped']} of {r['survivors']}" for r in rows
+                    if r["skipped"])
+        + "; focus or budget): the robust accuracy is an upper bound that running those stages "
+        "on every survivor could lower")
     out = {
-        "schedule": dict(plan.describe()["schedule"], stages=rows),
+        "schedule": dict(plan.describe()["schedule"], stages=rows, skipped=skipped,
+                         statement=statement),
         # Attack k saw only the survivors of attacks 1..k-1: no many-attack table.
         "mat": None, "wat": None, "wat_attack": None, "black_box_robust_accuracy": None,
         "gradients_per_example": float(np.mean(per_example["gradients"])),

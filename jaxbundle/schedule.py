@@ -77,6 +77,8 @@ class Stage(NamedTuple):
     #   a segmented stage's rows times steps, over its steps, rounded up
     gradients: int  # gradient evaluations it spent on the real examples
     queries: int  # model queries it spent on the real examples
+    survivors: int  # real examples whose goal the stages before left unsatisfied: focus and
+    #   budget chose ``examples`` of them; the others were skipped
 
 
 def bucket_sizes(batch_size: int, multiple: int = 1) -> tuple[int, ...]:
@@ -367,10 +369,10 @@ def cascade(plan: Plan, attacks: Sequence[Attack], apply_fn: Callable, params: A
     for k, attack in enumerate(attacks):
         done, closeness = b.host(_status(best, eps, plan.goal, plan.threshold,
                                          attack.name in focus))
-        order = _stage_rows(b, attack, np.flatnonzero(real & ~done), closeness,
-                            focus.get(attack.name), left, spent)
+        survivors = np.flatnonzero(real & ~done)
+        order = _stage_rows(b, attack, survivors, closeness, focus.get(attack.name), left, spent)
         if order.size == 0:
-            stages.append(Stage(k, 0, 0, 0, 0))
+            stages.append(Stage(k, 0, 0, 0, 0, survivors.size))
             continue
         out = _run_stage(b, attack, k, order, best, *(r[k] for r in rows))
         best, rows = out.best, rows.set(k, out)
@@ -384,7 +386,7 @@ def cascade(plan: Plan, attacks: Sequence[Attack], apply_fn: Callable, params: A
         if left is not None:
             left -= float(np.sum(grads + asked))
         stages.append(Stage(k, int(order.size), -(-out.row_steps // max(attack.num_steps, 1)),
-                            int(np.sum(grads[real])), int(np.sum(asked[real]))))
+                            int(np.sum(grads[real])), int(np.sum(asked[real])), survivors.size))
     return BundleResult(
         best=best, clean=clean, attack_success=rows.success, attack_distortion=rows.distortion,
         attack_step=rows.best_step, attack_improving=rows.improving,

@@ -65,9 +65,11 @@ MODEL_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("goals", "the goals tracked", ""),
     ("plan", "the plan as run (jaxbundle.Plan.describe(): threat model, attacks, overrides, "
      "schedule, run options, stochastic options)", ""),
-    ("schedule", "{mode, goal, threshold, budget, focus, segments, stages}: stages (cascade) "
-     "list per attack the examples it ran on, rows computed, gradients, queries and the "
-     "robust accuracy after it", ""),
+    ("schedule", "{mode, goal, threshold, budget, focus, segments, stages, skipped, "
+     "statement}: stages (cascade) list per attack the survivors it could run on, the "
+     "examples it ran on, the survivors focus and budget skipped, rows computed, gradients, "
+     "queries and the robust accuracy after it; skipped: their sum; statement: when any were "
+     "skipped, that the robust accuracy is an upper bound a full run could lower", ""),
     ("judging", "{mode, grid_examples, float_examples, grid_radius, statement}: how successes "
      "were judged", ""),
     ("data", "{name, n}", ""),

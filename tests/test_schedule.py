@@ -379,3 +379,37 @@ def test_focus_needs_the_cascade():
     params, x, y, eps = _problem(n=8)
     with pytest.raises(ValueError, match=re.escape("needs mode='cascade'")):
         _evaluate(params, x, y, (attacks_lib.fgsm(),), eps, focus={"fgsm": 0.5})
+
+
+def test_a_focused_cascade_says_what_it_skipped(tmp_path):
+    """Every stage reports the survivors it could run on, those it ran on and those focus
+    skipped (equal to the per-example arrays), and the report says, in JSON, Markdown and on
+    the console, that the robust accuracy is then an upper bound; without skipping it does not."""
+    from rich.console import Console
+
+    from jaxbundle.report import markdown, print_tables
+
+    params, x, y, eps = _problem(n=48, seed=3)
+    atts = (attacks_lib.fgsm(), attacks_lib.pgd(steps=5, restarts=2).rename("pgd"))
+    focused = _evaluate(params, x, y, atts, eps, mode="cascade", focus={"pgd": 0.2})
+    whole = _evaluate(params, x, y, atts, eps, mode="cascade")
+    pe = focused.per_example
+    ok = pe["clean_prediction"] == pe["label"]
+    survivors = ok & ~pe["attack_success"][:, 0]
+    ran = pe["attack_step"][:, 1] != -2
+    stages = focused.metrics["schedule"]["stages"]
+    assert stages[1]["survivors"] == survivors.sum() == 43
+    assert stages[1]["examples"] == ran.sum() == 9 and not (ran & ~survivors).any()
+    assert stages[1]["skipped"] == 34 == focused.metrics["schedule"]["skipped"]
+    assert stages[0]["skipped"] == 0 and stages[0]["survivors"] == ok.sum()
+    statement = focused.metrics["schedule"]["statement"]
+    assert statement.startswith("stages left survivors unattacked (pgd: 34 of 43; focus or")
+    assert "upper bound" in statement
+    assert whole.metrics["schedule"]["skipped"] == 0
+    assert whole.metrics["schedule"]["statement"] is None
+    report = {"config": {}, "models": {"focused": focused.metrics, "whole": whole.metrics}}
+    md = markdown(report)
+    assert md.count("upper bound") == 1 and "after pgd (9 attacked, 34 survivors skipped)" in md
+    console = Console(record=True, width=200)
+    print_tables(console, {"focused": (focused, 0.0), "whole": (whole, 0.0)})
+    assert console.export_text().count("upper bound:") == 1
