@@ -429,11 +429,36 @@ def _bundle(
     )
 
 
+# XLA:CPU compiles the programs a cascade runs once per stage or segment (starting a stage,
+# judging it, moving rows) at -O0 with the classic emitters: measured on the default bundle
+# (demo CNN, 256 images), the judging programs' compile time falls from 20 s to 6 s and the
+# run's warm time does not change (8.4 s vs 8.6 s); the per-step programs keep XLA's defaults
+# (at -O0 they ran 1.8x slower).
+_CPU_GLUE_OPTIONS = {"xla_backend_optimization_level": 0, "xla_cpu_use_fusion_emitters": False}
+
+
+def glue_jit(fun=None, **jit_kwargs):
+    """``jax.jit`` for a program that runs once per stage or segment, never per step: on CPU
+    compiled for compile speed (:data:`_CPU_GLUE_OPTIONS`), elsewhere with the defaults."""
+    if fun is None:
+        return functools.partial(glue_jit, **jit_kwargs)
+    cpu = jax.jit(fun, compiler_options=_CPU_GLUE_OPTIONS, **jit_kwargs)
+    other = jax.jit(fun, **jit_kwargs)
+
+    @functools.wraps(fun)
+    def call(*args, **kwargs):
+        nested = any(isinstance(a, jax.core.Tracer) for a in jax.tree.leaves((args, kwargs)))
+        top_cpu = not nested and jax.default_backend() == "cpu"  # options: top level only
+        return (cpu if top_cpu else other)(*args, **kwargs)
+
+    return call
+
+
 _STAGE_STATIC = ("apply_fn", "attack", "index", "goal_names", "norm", "judging", "restart_mode")
 _JUDGE_STATIC = (*_STAGE_STATIC, "last")
 
 
-@functools.partial(jax.jit, static_argnames=_STAGE_STATIC)
+@glue_jit(static_argnames=_STAGE_STATIC)
 def start_stage(params, x, y, key, example_id, eps, *, apply_fn, attack, index, goal_names, norm,
                 judging, restart_mode) -> Running:
     """A cascade's stage run in segments: attack ``index`` initialised on a bucket of rows,
@@ -453,7 +478,7 @@ def step_stage(params, running, x, y, eps, t0, t1, *, apply_fn, attack, index, g
                          restart_mode)
 
 
-@functools.partial(jax.jit, static_argnames=_JUDGE_STATIC)
+@glue_jit(static_argnames=_JUDGE_STATIC)
 def judge_stage(params, running, x, y, eps, t, *, apply_fn, attack, index, goal_names, norm,
                 judging, restart_mode, last) -> tuple:
     """A stage's verified bests after ``t`` steps, as :func:`_bundle` judges an attack's:
@@ -467,7 +492,7 @@ def judge_stage(params, running, x, y, eps, t, *, apply_fn, attack, index, goal_
                    improving)
 
 
-@jax.jit
+@glue_jit
 def take_rows(running: Running, positions: jax.Array) -> Running:
     """The rows ``positions`` of a stage mid-run (axis 1 of the restart-stacked leaves)."""
     pick = lambda a: jnp.take(a, positions, axis=1)  # noqa: E731

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxbundle import checks as checks_lib
 from jaxbundle import schedule as schedule_lib
 from jaxbundle.attacks.base import Attack
-from jaxbundle.bundler import bundle
+from jaxbundle.bundler import bundle, glue_jit
 from jaxbundle.metrics import Counts, Setting
 from jaxbundle.outputs import per_example_arrays
 from jaxbundle.plan import Plan
@@ -147,7 +147,7 @@ def _summary(result, x, y, example_id, mask, eps, attacks, mesh, apply_fn, param
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("attacks", "mesh", "apply_fn"))
+@glue_jit(static_argnames=("attacks", "mesh", "apply_fn"))
 def _summarise(result, params, x, y, example_id, mask, eps, *, attacks, mesh, apply_fn):
     return _summary(result, x, y, example_id, mask, eps, attacks, mesh, apply_fn, params)
 

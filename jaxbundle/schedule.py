@@ -51,7 +51,6 @@ One host sync per stage (the survivors' count), and one per segment; none per st
 
 from __future__ import annotations
 
-import functools
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -61,7 +60,7 @@ import numpy as np
 from jaxbundle import goals as goals_lib
 from jaxbundle.attacks.base import Attack, per_example_keys
 from jaxbundle import bundler
-from jaxbundle.bundler import BestState, BundleResult, _bundle, fold
+from jaxbundle.bundler import BestState, BundleResult, _bundle, fold, glue_jit
 from jaxbundle.plan import Plan
 
 __all__ = [
@@ -117,7 +116,7 @@ def satisfied(
     return done(best[goal].score, eps, threshold)
 
 
-@functools.partial(jax.jit, static_argnames=("apply_fn", "goal_names", "norm", "judging"))
+@glue_jit(static_argnames=("apply_fn", "goal_names", "norm", "judging"))
 def _start(params, x, y, key, example_id, eps, *, apply_fn, goal_names, norm, judging):
     """The clean image as every goal's starting best, the eps attacks aim at, the grid flag."""
     keys = per_example_keys(key, example_id)
@@ -135,7 +134,7 @@ def promise(best: dict[str, BestState], goal: str = "misclassify") -> jax.Array:
     raise ValueError(f"goal {goal!r} is never satisfied, so no survivor is more promising")
 
 
-@functools.partial(jax.jit, static_argnames=("goal", "threshold", "ranked"))
+@glue_jit(static_argnames=("goal", "threshold", "ranked"))
 def _status(best, eps, goal, threshold, ranked):
     """Whether each example is satisfied and, if the stage is focused, its promise."""
     done = satisfied(best, eps, goal, threshold)
@@ -152,12 +151,12 @@ def _host_reader(mesh) -> Callable[[jax.Array], np.ndarray]:
     return lambda a: jax.tree.map(np.asarray, replicate(a))
 
 
-@jax.jit
+@glue_jit
 def _take(tree, rows):
     return jax.tree.map(lambda a: jnp.take(a, rows, axis=0), tree)
 
 
-@functools.partial(jax.jit, static_argnames=("goal_names",))
+@glue_jit(static_argnames=("goal_names",))
 def _merge(best, eps, rows, found, *, goal_names):
     """Folds a stage's verified bests into the batch's at ``rows`` (padding repeats a real
     row with the same result, so a repeated index writes the same value)."""
@@ -167,7 +166,7 @@ def _merge(best, eps, rows, found, *, goal_names):
     return jax.tree.map(lambda a, b: a.at[rows].set(b), best, merged)
 
 
-@jax.jit
+@glue_jit
 def _put(a, rows, values):
     return a.at[rows].set(values)
 

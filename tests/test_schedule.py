@@ -413,3 +413,34 @@ def test_a_focused_cascade_says_what_it_skipped(tmp_path):
     console = Console(record=True, width=200)
     print_tables(console, {"focused": (focused, 0.0), "whole": (whole, 0.0)})
     assert console.export_text().count("upper bound:") == 1
+
+
+def test_a_sweep_over_eps_reuses_every_program():
+    """The default bundle's programs do not depend on eps: a second radius that leaves the same
+    survivors (none fooled at either) compiles nothing, and the count of programs a run
+    compiles stays put (the glue programs of a cascade run once per stage or segment)."""
+    params, x, y = linear_problem(n=24, k=10, seed=9)  # APGD-T5 needs 6 classes or more
+    x = np.asarray(images(x))
+    eps_small = 0.2 * float(np.min(min_distance(params, x, y, "linf")))
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    from jaxbundle import bundles
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        runs = []
+        for eps in (eps_small, eps_small / 2, eps_small):
+            before = len(compiles)
+            ev = evaluate(linear_apply, params, (x, y), bundles.default("linf", eps, queries=40),
+                          mesh=None)
+            runs.append((len(compiles) - before, ev.metrics["robust_accuracy"]))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    (first, acc), (second, acc2), (third, _) = runs
+    ok = 100 * np.mean(np.asarray(linear_apply(params, x)).argmax(1) == y)
+    assert acc == acc2 == pytest.approx(ok)  # nothing fooled at either radius
+    assert 0 < first <= 70 and second == 0 and third == 0, runs  # 64 with jax 0.10
