@@ -13,7 +13,10 @@ jitted program. For each attack (a Python loop at trace time over a static tuple
    8-bit grid inside the ball where the clean image is on the grid, else in float32), re-runs
    the model on them and re-checks box, ball and label: what fails does not count, and nothing
    the attack's own candidate did not achieve is credited to it;
-5. the verified best is folded into the bundle's best state, which starts from the clean image.
+5. the verified best is folded into the bundle's best state, which starts from the clean image;
+6. against a stochastic model, once every attack is folded, each goal's winner and the clean
+   image are re-judged on held-out calls (:func:`held_out`): the calls that chose a winner
+   overstate its rate (it is the best of several), so the reported rates are the held-out ones.
 
 The misclassify goal is always tracked, and each attack's own verified success is kept, so the
 many-attack table, the worst-attack table and the bundled figure come from one run.
@@ -37,7 +40,8 @@ from jaxbundle import sampling
 from jaxbundle.attacks.base import Attack, WhiteBoxModel, per_example_keys, threat_model
 from jaxbundle.canonical import canonical_convolutions
 from jaxbundle.goals import BestState
-from jaxbundle.judge import STRETCH, check_judging, judged_on_grid, judged_score, verify
+from jaxbundle.judge import (STRETCH, check_judging, judged_on_grid, judged_score, rejudge,
+                             verify)
 from jaxbundle.validation import check_attacks, check_eot, check_inputs, goals_for
 
 __all__ = [
@@ -57,6 +61,7 @@ __all__ = [
     "take_rows",
     "still_improving",
     "window_start",
+    "held_out",
 ]
 
 
@@ -76,6 +81,9 @@ class BundleResult(NamedTuple):
     gradients: jax.Array  # int32 [B]: gradient evaluations spent per example
     queries: jax.Array  # int32 [B]: black-box model queries spent per example
     judged_on_grid: jax.Array  # bool [B]: judged on the 8-bit grid (else in float32)
+    selection_rate: jax.Array | None = None  # float [B], stochastic models: the misclassify
+    #   winner's success rate on the judge's calls that chose it (``best`` and ``clean`` then
+    #   hold the held-out calls' scores, see :func:`held_out`); None: a deterministic model
 
 
 def fold(goal: str, eps: jax.Array, best: BestState, cand: BestState) -> BestState:
@@ -501,6 +509,40 @@ def take_rows(running: Running, positions: jax.Array) -> Running:
                    jax.tree.map(rows, running.clean), rows(running.keys), pick(running.early))
 
 
+def held_out(result: BundleResult, params: Any, x: jax.Array, y: jax.Array, key: jax.Array,
+             example_id: jax.Array, eps: jax.Array, *, apply_fn: Callable, norm: str,
+             judging: str) -> BundleResult:
+    """A stochastic model's result re-judged on held-out calls; a deterministic one's as it is.
+
+    Every goal's winner and the clean image are re-scored (:func:`jaxbundle.judge.rejudge`;
+    box and ball re-checked) under ``calls`` calls drawn from each example's held-out stream
+    (:func:`jaxbundle.sampling.heldout_keys`), which neither the attacks nor the judge's
+    choice of the winner saw: the winner's rate on the calls that chose it is the maximum of
+    its candidates' rates, biased upward; on fresh calls it is unbiased. ``best`` and
+    ``clean`` then hold the held-out scores (the success, rate and robust accuracy reported)
+    and ``selection_rate`` the misclassify winner's rate on the choosing calls. The winners
+    themselves are not changed, nor ``attack_success`` (each attack's own verdict on the
+    choosing calls). ``calls * (goals + 1)`` model passes per example, uncounted in
+    ``gradients`` / ``queries`` as every judge's call is. ``x, y, key, example_id, eps``: as
+    given to the bundle (or the cascade) that produced ``result``.
+    """
+    if not sampling.is_stochastic(apply_fn):
+        return result
+    return _held_out(result, params, x, y, key, example_id, eps, apply_fn=apply_fn, norm=norm,
+                     judging=judging)
+
+
+@glue_jit(static_argnames=("apply_fn", "norm", "judging"))
+def _held_out(result, params, x, y, key, example_id, eps, *, apply_fn, norm, judging):
+    keys = per_example_keys(key, example_id)
+    x, y, eps, _, model = _setup(params, x, y, eps, apply_fn, norm, judging, keys)
+    model = model.replace(keys=sampling.heldout_keys(keys))
+    best = {g: rejudge(b, g, model, x, y, eps, norm) for g, b in result.best.items()}
+    clean, _ = judged_score(model, x, x, y, norm)
+    return result._replace(best=best, clean=clean,
+                           selection_rate=result.best["misclassify"].score.rate)
+
+
 def _smallest_distortion(found: dict[str, BestState], eps: jax.Array) -> jax.Array:
     """An attack's smallest verified adversarial distortion per example (inf: none found).
 
@@ -554,7 +596,8 @@ def bundle(
       attacks: attacks from :mod:`jaxbundle.attacks`, all in the threat model's norm.
       apply_fn: ``apply_fn(params, x) -> logits`` (e.g. a flax ``module.apply``), or a
         stochastic model declared with :func:`jaxbundle.stochastic` (``apply_fn(params, x,
-        key)``, judged over its ``calls``; see :mod:`jaxbundle.sampling`).
+        key)``, judged over its ``calls``, its winners re-judged on as many held-out calls:
+        :func:`held_out`; see :mod:`jaxbundle.sampling`).
       params: the model's parameters (a jit argument, never baked into the program).
       x: clean images ``[B, ...]`` in [0, 1].
       y: integer labels ``[B]``.
@@ -588,7 +631,7 @@ def bundle(
         check_inputs(apply_fn, params, x, y, eps, judging=judging)
     if example_id is None:
         example_id = jnp.arange(x.shape[0], dtype=jnp.int32)
-    return _bundle(
+    result = _bundle(
         params,
         x,
         y,
@@ -603,3 +646,5 @@ def bundle(
         unroll=unroll,
         restart_mode=restart_mode,
     )
+    return held_out(result, params, x, y, key, example_id, eps, apply_fn=apply_fn, norm=norm,
+                    judging=judging)

@@ -45,6 +45,7 @@ __all__ = [
     "quantize_min_norm",
     "judged_score",
     "verify",
+    "rejudge",
     "statement",
 ]
 
@@ -155,7 +156,8 @@ def verify(
     but the attack's own candidate was not (the rounding alone flipped it), the example falls
     back to ``clean``, the clean image's state. A stochastic model is judged over the judge's
     calls (:func:`judged_score`), which are then the only authority: the attack's own view of
-    its candidate is one noisy draw.
+    its candidate is one noisy draw. (The winner these calls choose is then re-judged on
+    held-out calls: :func:`rejudge`.)
     """
     bounded = goals_lib.GOALS[goal].bounded
     if bounded:
@@ -163,6 +165,15 @@ def verify(
     else:
         rounded = quantize_min_norm(model, best.x, x0, y, best.score.misclassified, stretch)
     x = jnp.where(norms.per_example(grid, x0), rounded, best.x)
+    judged = best._replace(x=x, score=_checked_score(model, x, x0, y, eps, norm, bounded))
+    credited = ~judged.score.misclassified | best.score.misclassified | model.stochastic
+    return norms.tree_where(credited, judged, clean)
+
+
+def _checked_score(model: WhiteBoxModel, x: jax.Array, x0: jax.Array, y: jax.Array,
+                   eps: jax.Array, norm: str, bounded: bool) -> goals_lib.Score:
+    """The judge's score of ``x`` (:func:`judged_score`), or the worst score where ``x`` is
+    outside the box, gives non-finite logits or (``bounded``) lies outside the eps ball."""
     s, finite = judged_score(model, x, x0, y, norm)
     flat = x.reshape(x.shape[0], -1)
     valid = jnp.all((flat >= 0.0) & (flat <= 1.0), axis=1) & finite
@@ -177,9 +188,22 @@ def verify(
         prediction=s.prediction,
         rate=jnp.zeros_like(s.rate),
     )
-    judged = best._replace(x=x, score=norms.tree_where(valid, s, invalid))
-    credited = ~judged.score.misclassified | best.score.misclassified | model.stochastic
-    return norms.tree_where(credited, judged, clean)
+    return norms.tree_where(valid, s, invalid)
+
+
+def rejudge(best: BestState, goal: str, model: WhiteBoxModel, x0: jax.Array, y: jax.Array,
+            eps: jax.Array, norm: str) -> BestState:
+    """A chosen best state re-judged on other calls: a stochastic model's winner under the
+    held-out calls ``model`` makes (:func:`jaxbundle.sampling.heldout_keys`), so that its rate
+    is not the maximum of the rates it was chosen by.
+
+    The image is the one :func:`verify` judged (already rounded where it is judged on the grid)
+    and is not changed; it is re-checked (box, finite logits, and the ball for goals bound to
+    eps) and rescored, an invalid one getting the worst score (not misclassified, rate 0).
+    ``model.samples`` passes per example.
+    """
+    bounded = goals_lib.GOALS[goal].bounded
+    return best._replace(score=_checked_score(model, best.x, x0, y, eps, norm, bounded))
 
 
 def statement(judging: str, eps: float, norm: str, n_grid: int, n: int) -> str:

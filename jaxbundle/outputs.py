@@ -58,25 +58,43 @@ def per_example_arrays(
 RATE_THRESHOLDS = (0.0, 0.25, 0.5, 0.75, 0.9)
 
 
+def _tracked_goals(per_example: dict[str, np.ndarray]) -> list[str]:
+    """The goals whose per-example arrays ``per_example`` holds (misclassify always)."""
+    empty = np.zeros(0, np.float32)
+    dummy = goals_lib.Score(empty.astype(bool), empty, empty, empty, empty.astype(np.int32),
+                            empty)
+    return [g for g, goal in goals_lib.GOALS.items()
+            if g == "misclassify" or set(goal.per_example(dummy, empty)) <= set(per_example)]
+
+
 def stochastic_metrics(apply_fn: Any, attacks: Sequence[Attack],
                        per_example: dict[str, np.ndarray]) -> dict:
     """How a stochastic model was judged, and its robust accuracy at other success-rate
-    thresholds (from the same per-example best candidates, chosen by their rate)."""
+    thresholds (from the same per-example best candidates, chosen by their rate on the judge's
+    calls, every rate on the held-out calls that re-judged them)."""
     rate, clean = per_example["success_rate"], per_example["clean_success_rate"]
+    selection = per_example.get("selection_success_rate", rate)
     n = max(len(rate), 1)
     at = lambda t: float(np.sum((clean <= t) & (rate <= t)) / n)  # noqa: E731
+    mean = lambda a: float(np.mean(a)) if len(a) else 0.0  # noqa: E731
+    calls = apply_fn.calls
     return {
-        "calls": apply_fn.calls,
+        "calls": calls,
         "threshold": apply_fn.threshold,
         "eot": {a.name: a.eot for a in attacks},
         "statement": (
-            f"stochastic model: each candidate judged over {apply_fn.calls} fresh calls the "
-            f"attacks never saw; an example counts as fooled when more than "
-            f"{apply_fn.threshold:g} of them misclassify its best candidate (the one with the "
-            "highest success rate)"
+            f"stochastic model: each candidate judged over {calls} fresh calls the attacks "
+            "never saw, and each example's best candidate (the one with the highest success "
+            f"rate) and clean image re-judged on {calls} held-out calls the choice never saw; "
+            "the success rates and the robust accuracy reported are the held-out ones (mean "
+            f"success rate {mean(rate):.3f} held out, {mean(selection):.3f} on the calls that "
+            f"chose the winners), an example counting as fooled when more than "
+            f"{apply_fn.threshold:g} of the held-out calls misclassify its best candidate"
         ),
-        "mean_success_rate": float(np.mean(rate)) if len(rate) else 0.0,
-        "mean_clean_success_rate": float(np.mean(clean)) if len(clean) else 0.0,
+        "mean_success_rate": mean(rate),
+        "mean_selection_success_rate": mean(selection),
+        "mean_clean_success_rate": mean(clean),
+        "heldout_calls_per_example": calls * (len(_tracked_goals(per_example)) + 1),
         "robust_accuracy_at_threshold": {f"{t:g}": at(t) for t in RATE_THRESHOLDS},
     }
 

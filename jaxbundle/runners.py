@@ -138,9 +138,11 @@ def _summary(result, x, y, example_id, mask, eps, attacks, mesh, apply_fn, param
     outputs = dict(per_example_arrays(result, x, eps_b, setting.black_box), label=y,
                    example_id=example_id,
                    zero_gradient=checks_lib.zero_gradients(apply_fn, params, x, y))
-    if is_stochastic(apply_fn):  # the fraction of the judge's calls each image fools
+    if is_stochastic(apply_fn):  # the fraction of the held-out calls each image fools, and
+        # of the judge's calls that chose the winner (biased upward: the best of several)
         outputs.update(success_rate=result.best["misclassify"].score.rate,
-                       clean_success_rate=result.clean.rate)
+                       clean_success_rate=result.clean.rate,
+                       selection_success_rate=result.selection_rate)
     out = (Counts.from_result(result, mask, eps_b, setting), outputs)
     if mesh is not None:
         out = jax.lax.with_sharding_constraint(out, NamedSharding(mesh, PartitionSpec()))

@@ -17,6 +17,9 @@ padding or the number of devices. Every call an attack or the judge makes gets a
 * the judge: ``split(fold_in(fold_in(fold_in(key, example_id), JUDGE_STREAM), 0), calls)``,
   the same keys for every candidate of an example (common random numbers), none of which an
   attack sees;
+* the held-out judge, which re-judges each example's winner and its clean image once the
+  winner is chosen: ``split(fold_in(fold_in(fold_in(key, example_id), HELDOUT_STREAM), 0),
+  calls)``, keys neither the attacks nor the choice of the winner ever saw;
 * the uncounted evaluator that scores a label-only attack's candidates and a restart's final
   iterate: one call under ``fold_in(fold_in(restart_key, EVAL_STREAM), t)``.
 
@@ -29,11 +32,20 @@ attack's majority label) likewise; the budget counts every sample as a model pas
 calls; its success rate is the fraction of them that misclassify it, the bundle keeps per
 example the candidate with the best rate (margin averaged over the calls breaks ties), and the
 example counts as fooled when the rate exceeds ``threshold`` (default: more than half of the
-calls). ``per_example["success_rate"]`` gives the rates. Every restart's best is judged before
-the restarts are folded (the best on average wins, not the luckiest draw); within a restart
-the attack's own, EOT-averaged view picks its best step (judging every step would cost
-``calls`` passes per step). The judge's calls are not counted in the budget, as verification
-never is.
+calls). Every restart's best is judged before the restarts are folded (the best on average
+wins, not the luckiest draw); within a restart the attack's own, EOT-averaged view picks its
+best step (judging every step would cost ``calls`` passes per step).
+
+**Held-out calls** (:func:`jaxbundle.bundler.rejudge`): the rate of the candidate chosen as
+the best of several over the same calls is biased upward (the best of 5 candidates that each
+fool 40 % of the calls fools more than half of 16 calls 54 % of the time, against 14 % for
+one). So once each example's winner is chosen (every goal's, and the clean image), it is
+re-judged on ``calls`` held-out calls, and the report's rates, ``success`` and robust accuracy
+come from those: ``per_example["success_rate"]`` (held-out) beside
+``per_example["selection_success_rate"]`` (the calls that chose it). The judge's calls, the
+held-out ones included, are not counted in the budget (``gradients`` / ``queries``), as
+verification never is; the report states the held-out ones per example
+(``heldout_calls_per_example`` in its ``stochastic`` section).
 """
 
 from __future__ import annotations
@@ -53,15 +65,18 @@ __all__ = [
     "call_keys",
     "fold_each",
     "judge_keys",
+    "heldout_keys",
     "fixed",
     "MODEL_STREAM",
     "JUDGE_STREAM",
+    "HELDOUT_STREAM",
     "EVAL_STREAM",
     "INIT_CALL",
 ]
 
 MODEL_STREAM = 0x6D6F64  # folded into a restart's key for the model calls of its attack
 JUDGE_STREAM = 0x6A7564  # folded into an example's key for the judge's calls
+HELDOUT_STREAM = 0x686C64  # folded into an example's key for the held-out judge's calls
 EVAL_STREAM = 0x657661  # folded into a restart's key for the uncounted evaluator's calls
 INIT_CALL = 2**31 - 1  # the "step" of the model calls made in an attack's init
 
@@ -142,6 +157,12 @@ def call_keys(keys: jax.Array, call: int | jax.Array, samples: int) -> jax.Array
 def judge_keys(example_keys: jax.Array) -> jax.Array:
     """``[B]`` keys from which the judge's calls on each example are drawn."""
     return fold_each(example_keys, JUDGE_STREAM)
+
+
+def heldout_keys(example_keys: jax.Array) -> jax.Array:
+    """``[B]`` keys from which the held-out calls that re-judge each example's winner are drawn
+    (a stream of their own: no judge or attack call uses them)."""
+    return fold_each(example_keys, HELDOUT_STREAM)
 
 
 def logits(apply_fn: Callable, params: Any, x: jax.Array, keys: jax.Array | None = None

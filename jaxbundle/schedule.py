@@ -386,9 +386,12 @@ def cascade(plan: Plan, attacks: Sequence[Attack], apply_fn: Callable, params: A
             left -= float(np.sum(grads + asked))
         stages.append(Stage(k, int(order.size), -(-out.row_steps // max(attack.num_steps, 1)),
                             int(np.sum(grads[real])), int(np.sum(asked[real])), survivors.size))
-    return BundleResult(
+    result = BundleResult(
         best=best, clean=clean, attack_success=rows.success, attack_distortion=rows.distortion,
         attack_step=rows.best_step, attack_improving=rows.improving,
         gradients=jnp.asarray(gradients, jnp.int32), queries=jnp.asarray(queries, jnp.int32),
         judged_on_grid=grid,
-    ), stages
+    )
+    # A stochastic model's winners re-judged on held-out calls, as the full bundle's are.
+    return bundler.held_out(result, params, x, y, key, example_id, eps, apply_fn=apply_fn,
+                            norm=plan.norm, judging=plan.judging), stages

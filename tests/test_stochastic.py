@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from scipy.stats import binom
 from scipy.stats import norm as gaussian
 
 import jaxbundle
@@ -239,6 +240,173 @@ def test_judge_rate_and_threshold():
         np.testing.assert_allclose(np.asarray(res.clean.rate), P_LUCKY, atol=0.1)
 
 
+# --- held-out calls: the winner's rate re-judged on calls its choice never saw --------------
+
+IDS = 64.0  # a candidate's id is its second pixel times IDS
+
+
+def _bernoulli_model(params, x, key):
+    """Two classes, label 0. A candidate (first pixel above 0.5) fools each call independently
+    with probability ``params["p"]``: call key k fools candidate c iff ``uniform(fold_in(k, c))
+    < p``, c its id (so candidates under common keys stay independent); the clean image never
+    fools (and has the lowest margin, so that any candidate beats it on a tie)."""
+    attacked = x[:, 0] > 0.5
+    ident = jnp.round(x[:, 1] * IDS).astype(jnp.int32)
+    u = jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(key, i)))(ident)
+    fooled = attacked & (u < params["p"])
+    margin = jnp.where(fooled, 1.0, jnp.where(attacked, -1.0, -2.0))
+    return jnp.stack([jnp.zeros_like(margin), margin], axis=1)
+
+
+def _candidates(name, first, restarts):
+    """An attack whose restart r proposes candidate ``first + r`` (one step; its own view: an
+    even chance)."""
+
+    def init(config, keys, x0, y, eps, model, restart):
+        ident = jnp.full(x0.shape[:1], (first + restart) / IDS)
+        return _Proposal(jnp.stack([jnp.full_like(ident, 0.75), ident], axis=1))
+
+    def step(config, state, model):
+        claim = jnp.full(state.x.shape[:1], 0.5)
+        return state, Candidate(state.x, jnp.stack([jnp.zeros_like(claim), claim], axis=1))
+
+    return Attack(name, "white-box", "linf", 1, restarts, 1, init, step, (first, restarts))
+
+
+# 5 candidates per example (2 attacks: 3 + 2 restarts), each fooling a fraction p of the calls.
+CANDIDATES = (_candidates("three", 1, 3), _candidates("two", 4, 2))
+R = sum(a.num_restarts for a in CANDIDATES)
+
+
+def _toy(n):
+    x = jnp.tile(jnp.asarray([[0.5, 0.0]], jnp.float32), (n, 1))
+    return x, jnp.zeros(n, jnp.int32)
+
+
+def _max_of_binomials(p, calls, k):
+    """Mean and std of the largest of k Binomial(calls, p) / calls (the winner's selection
+    rate), from its exact distribution P(max <= j) = F(j)^k."""
+    j = np.arange(calls + 1)
+    pmf = np.diff(np.concatenate([[0.0], binom.cdf(j, calls, p) ** k]))
+    mean = float(np.sum(pmf * j / calls))
+    return mean, float(np.sqrt(np.sum(pmf * (j / calls - mean) ** 2)))
+
+
+def test_held_out_rate_is_unbiased_where_the_selection_rate_is_not():
+    """The analytic toy: every candidate fools a fraction p = 0.4 of the calls. The winner's
+    rate on the 16 calls that chose it is the best of 5 (mean 0.543 by the order statistics);
+    on 16 held-out calls it is Binomial(16, 0.4) / 16 (mean 0.4). At threshold 0.5 the
+    selection calls fool 54 % of the examples, the held-out ones 14 %, the true figure."""
+    n, calls, p = 2000, 16, 0.4
+    model = jaxbundle.stochastic(_bernoulli_model, calls=calls, threshold=0.5)
+    x, y = _toy(n)
+    res = bundle(CANDIDATES, model, {"p": jnp.float32(p)}, x, y, KEY, eps=0.5, judging="float",
+                 validate=False)
+    selected, held = np.asarray(res.selection_rate), np.asarray(res.best["misclassify"].score.rate)
+    assert np.all(np.asarray(res.best["misclassify"].attack) >= 0)  # a candidate always wins
+    # Selection: biased upward by what the order statistics predict (4 standard errors).
+    mean, std = _max_of_binomials(p, calls, R)
+    assert mean - p > 0.14
+    assert abs(selected.mean() - mean) < 4 * std / np.sqrt(n)
+    # Held out: unbiased, within 4 standard errors of p (and far below the selection mean).
+    se = np.sqrt(p * (1 - p) / (calls * n))
+    assert abs(held.mean() - p) < 4 * se
+    assert selected.mean() - held.mean() > 30 * se
+    # Fooled: the held-out fraction is P(Binomial(16, p) > 8), not the best of 5 of it.
+    q = binom.sf(calls // 2, calls, p)
+    fooled = np.asarray(res.best["misclassify"].score.misclassified)
+    np.testing.assert_array_equal(fooled, held > 0.5)
+    assert abs(fooled.mean() - q) < 4 * np.sqrt(q * (1 - q) / n)
+    inflated = 1 - (1 - q) ** R
+    assert abs(np.mean(selected > 0.5) - inflated) < 4 * np.sqrt(inflated * (1 - inflated) / n)
+    # Each attack's own verdict stays the choosing calls' (its best of its restarts).
+    assert np.all(np.asarray(res.attack_success).any(0) == (selected > 0.5))
+
+
+@pytest.mark.parametrize("mode", ["full", "cascade"])
+def test_reported_robust_accuracy_counts_the_held_out_rate(mode):
+    """p = 0.45 just below the threshold 0.5: the report's robust accuracy is 1 - P(Binomial(16,
+    0.45) > 8) = 74.4 %, not the 22.8 % the winners' selection rates would give; the
+    stochastic section gives both mean rates."""
+    n, calls, p = 1000, 16, 0.45
+    model = jaxbundle.stochastic(_bernoulli_model, calls=calls, threshold=0.5)
+    x, y = _toy(n)
+    plan = jaxbundle.Plan(eps=0.5, attacks=CANDIDATES, batch_size=n, goals=("misclassify",),
+                          judging="float", mode=mode)
+    ev = jaxbundle.evaluate(model, {"p": jnp.float32(p)}, (np.asarray(x), np.asarray(y)), plan)
+    pe, s = ev.per_example, ev.metrics["stochastic"]
+    np.testing.assert_array_equal(pe["success"], pe["success_rate"] > 0.5)
+    q = binom.sf(calls // 2, calls, p)
+    assert abs(ev.metrics["robust_accuracy"] - 100 * (1 - pe["success"].mean())) < 1e-9
+    assert abs(pe["success"].mean() - q) < 4 * np.sqrt(q * (1 - q) / n)
+    inflated = 1 - (1 - q) ** R  # the cascade too: fooled at selection iff any candidate is
+    assert abs(np.mean(pe["selection_success_rate"] > 0.5) - inflated) < 0.05
+    assert s["mean_success_rate"] == pytest.approx(pe["success_rate"].mean())
+    assert s["mean_selection_success_rate"] == pytest.approx(pe["selection_success_rate"].mean())
+    assert abs(s["mean_success_rate"] - p) < 4 * np.sqrt(p * (1 - p) / (calls * n))
+    assert s["mean_selection_success_rate"] > p + 0.1
+    assert "held-out" in s["statement"] and s["heldout_calls_per_example"] == 2 * calls
+    assert s["robust_accuracy_at_threshold"]["0.5"] == pytest.approx(
+        ev.metrics["robust_accuracy"] / 100)
+    # The judge's calls, held-out ones included, are not attack passes.
+    assert np.all(pe["gradients"] <= sum(a.gradients for a in CANDIDATES))
+
+
+def test_held_out_keys_are_a_stream_of_their_own():
+    """The winner's selection rate is its rate under the judge's call keys and its held-out
+    rate under the held-out stream's, as documented; the two sets of keys share none."""
+    n, calls, p = 12, 16, 0.5
+    model = jaxbundle.stochastic(_bernoulli_model, calls=calls)
+    x, y = _toy(n)
+    ids = jnp.arange(100, 100 + n, dtype=jnp.int32)
+    res = bundle(CANDIDATES, model, {"p": jnp.float32(p)}, x, y, KEY, eps=0.5, judging="float",
+                 example_id=ids, validate=False)
+    examples = jax.vmap(jax.random.fold_in, in_axes=(None, 0))(KEY, ids)
+    judge = sampling.call_keys(sampling.judge_keys(examples), 0, calls)  # [calls, n]
+    heldout = sampling.call_keys(sampling.heldout_keys(examples), 0, calls)
+    def data(keys):
+        return np.asarray(jax.random.key_data(keys)).reshape(-1, 2)
+
+    np.testing.assert_array_equal(data(heldout), data(sampling.call_keys(
+        sampling.fold_each(examples, sampling.HELDOUT_STREAM), 0, calls)))
+    judged, held = ({tuple(r) for r in data(k)} for k in (judge, heldout))
+    assert not judged & held and len(held) == calls * n
+
+    def rate(keys, ident):  # [n]: the fraction of keys [calls, n] that fool candidate ident
+        u = jax.vmap(jax.vmap(lambda k, i: jax.random.uniform(jax.random.fold_in(k, i))),
+                     in_axes=(0, None))(keys, ident)
+        return np.mean(np.asarray(u) < p, axis=0)
+
+    best = res.best["misclassify"]
+    winner = jnp.round(best.x[:, 1] * IDS).astype(jnp.int32)
+    every = np.stack([rate(judge, jnp.full(n, c, jnp.int32)) for c in range(1, R + 1)])
+    np.testing.assert_allclose(np.asarray(res.selection_rate), rate(judge, winner))
+    np.testing.assert_allclose(np.asarray(res.selection_rate), every.max(0))
+    np.testing.assert_allclose(np.asarray(best.score.rate), rate(heldout, winner))
+    assert np.any(np.asarray(best.score.rate) != np.asarray(res.selection_rate))
+
+
+def test_rejudging_rechecks_box_and_ball():
+    """A winner outside the box or the ball is no success on the held-out calls either."""
+    model = jaxbundle.stochastic(_bernoulli_model, calls=8)
+    x0 = jnp.tile(jnp.asarray([[0.5, 0.0]], jnp.float32), (3, 1))
+    y = jnp.zeros(3, jnp.int32)
+    # in the ball; outside the ball (0.75 from x0 at eps 0.5); outside the box
+    x = jnp.asarray([[0.75, 1 / IDS], [0.75, 48 / IDS], [1.25, 2 / IDS]], jnp.float32)
+    keys = sampling.heldout_keys(jax.random.split(KEY, 3))
+    judge = WhiteBoxModel(model, {"p": jnp.float32(1.0)}, None, keys, 8, fresh=False)
+    full = jnp.zeros(3, jnp.int32)
+    state = goals_lib.BestState(x, goals_lib.score(x, jnp.zeros((3, 2)), x0, y, "linf"),
+                                full, full, full)
+    eps = jnp.full(3, 0.5)
+    s = jaxbundle.judge.rejudge(state, "misclassify", judge, x0, y, eps, "linf").score
+    np.testing.assert_array_equal(np.asarray(s.misclassified), [True, False, False])
+    np.testing.assert_array_equal(np.asarray(s.rate), [1.0, 0.0, 0.0])
+    np.testing.assert_array_equal(  # a min-norm winner is bound by the box, not the ball
+        np.asarray(jaxbundle.judge.rejudge(state, "min_norm", judge, x0, y, eps,
+                                           "linf").score.misclassified), [True, True, False])
+
+
 # --- every kind of attack, the cascade, the evaluation and its checks ------------------------
 
 
@@ -297,9 +465,23 @@ def test_cascade_on_a_stochastic_model_fools_what_the_full_bundle_fools(segments
     def fooled(r):
         return np.asarray(goals_lib.success("misclassify", r.best["misclassify"].score, eps))
 
-    np.testing.assert_array_equal(fooled(res), fooled(full))
+    # On the judge's calls that chose the winners, the cascade fools what the full bundle does.
+    chosen = np.asarray(full.selection_rate) > 0.5
+    np.testing.assert_array_equal(np.asarray(res.selection_rate) > 0.5, chosen)
+    assert 0 < chosen.sum() < len(y)
+    # Both re-judge their winner on the same held-out calls: the same image, the same rate and
+    # verdict. The winners are the same wherever no attack fooled the example (the cascade ran
+    # every attack on it); where one did, the cascade may have stopped at an earlier winner.
+    best, mine = full.best["misclassify"], res.best["misclassify"]
+    same = np.all((np.asarray(best.x) == np.asarray(mine.x)).reshape(len(y), -1), axis=1)
+    assert np.all(same[~chosen]) and same.sum() > (~chosen).sum()
+    for r in (full, res):
+        assert np.asarray(r.best["misclassify"].score.rate).tolist() != np.asarray(
+            r.selection_rate).tolist()
+    np.testing.assert_array_equal(np.asarray(mine.score.rate)[same],
+                                  np.asarray(best.score.rate)[same])
+    np.testing.assert_array_equal(fooled(res)[same], fooled(full)[same])
     np.testing.assert_array_equal(np.asarray(res.clean.rate), np.asarray(full.clean.rate))
-    assert 0 < fooled(full).sum() < len(y)
 
 
 def test_evaluation_reports_rates_and_the_randomness_check():
