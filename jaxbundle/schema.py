@@ -87,8 +87,10 @@ MODEL_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("robustness_vs_compute", "{cost: [gradients + queries], robust_accuracy: [...]}", ""),
     ("failure_rate_curve", "{thresholds, attacked, clean}: a confidence-thresholding "
      "defence's failure rate", "the max_confidence goal is not tracked"),
-    ("stochastic", "{calls, threshold, eot, statement, mean_success_rate, "
-     "mean_clean_success_rate, robust_accuracy_at_threshold}", "a deterministic model"),
+    ("stochastic", "{calls, threshold, eot, statement, mean_success_rate (held-out calls), "
+     "mean_selection_success_rate, mean_clean_success_rate, heldout_calls_per_example, "
+     "robust_accuracy_at_threshold}",
+     "a deterministic model"),
     ("model", "where the model came from (demo:NAME or MODULE:FUNCTION)", "the API"),
     ("shifts", "{clean_accuracy, shift: {severity: {accuracy, relative_robustness}}}",
      "--no-shifts, or the API"),
@@ -134,9 +136,12 @@ PER_EXAMPLE: tuple[tuple[str, str], ...] = (
     ("check_flags", "[n, F] bool: the per-example checks named by check_flag_names"),
     ("x_adv", "the judged adversarial images (uint8 when all were judged on the 8-bit grid, "
      "else float32); with --save-images or data in memory"),
-    ("success_rate", "stochastic models: the fraction of the judge's calls that misclassify "
-     "the reported image (success is success_rate > threshold)"),
-    ("clean_success_rate", "stochastic models: the same for the clean image"),
+    ("success_rate", "stochastic models: the fraction of held-out judge calls (calls that "
+     "neither the attacks nor the choice of the winner saw) that misclassify the reported "
+     "image; success is success_rate > threshold"),
+    ("selection_success_rate", "stochastic models: the same on the calls that chose the winner "
+     "(biased upward by the choice; kept to show by how much)"),
+    ("clean_success_rate", "stochastic models: success_rate for the clean image"),
     ("best_effort_distortion", "with --best-effort: the bisected distortion"),
     ("transfer_success", "with --surrogate: fooled by the voted transfer"),
     ("attack_names", "the file only: the attacks, in order"),

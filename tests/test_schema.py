@@ -53,6 +53,21 @@ def test_an_evaluation_record_has_every_field_and_only_those(mode):
     json.dumps(m, default=float)
 
 
+def test_a_stochastic_record_documents_every_array():
+    import jax
+
+    params, x, y = linear_problem(n=8, k=4, seed=2)
+    eps = float(np.quantile(min_distance(params, x, y, "linf"), 0.5))
+    noisy = jaxbundle.stochastic(
+        lambda p, xb, key: linear_apply(p, xb + 0.02 * jax.random.normal(key, xb.shape)), calls=4)
+    ev = jaxbundle.evaluate(noisy, params, (images(x), y),
+                            jaxbundle.Plan(eps=eps, attacks=("fgsm",), goals=("misclassify",)))
+    assert list(ev.metrics) == FIELDS and ev.metrics["stochastic"] is not None
+    documented = {name for name, _ in schema.PER_EXAMPLE}
+    assert {"success_rate", "selection_success_rate", "clean_success_rate"} <= set(ev.per_example)
+    assert set(ev.per_example) <= documented, set(ev.per_example) - documented
+
+
 def test_nothing_undocumented_gets_in():
     plan = jaxbundle.Plan(eps=0.1, attacks=("fgsm",))
     with pytest.raises(ValueError, match=r"\['new_figure'\] are not in the report schema"):
