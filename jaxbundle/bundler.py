@@ -40,28 +40,14 @@ from jaxbundle import sampling
 from jaxbundle.attacks.base import Attack, WhiteBoxModel, per_example_keys, threat_model
 from jaxbundle.canonical import canonical_convolutions
 from jaxbundle.goals import BestState
-from jaxbundle.judge import (STRETCH, check_judging, judged_on_grid, judged_score, rejudge,
-                             verify)
+from jaxbundle.judge import STRETCH, check_judging, judged_on_grid, judged_score, verify
+from jaxbundle.judge import held_out as judge_held_out
 from jaxbundle.validation import check_attacks, check_eot, check_inputs, goals_for
 
 __all__ = [
-    "BestState",
-    "BundleResult",
-    "fold",
-    "candidate_state",
-    "bundle",
-    "check_attacks",
-    "check_eot",
-    "goals_for",
-    "check_inputs",
-    "Running",
-    "start_stage",
-    "step_stage",
-    "judge_stage",
-    "take_rows",
-    "still_improving",
-    "window_start",
-    "held_out",
+    "BestState", "BundleResult", "fold", "candidate_state", "bundle", "check_attacks", "check_eot",
+    "goals_for", "check_inputs", "Running", "start_stage", "step_stage", "judge_stage",
+    "take_rows", "still_improving", "window_start", "held_out",
 ]
 
 
@@ -375,28 +361,13 @@ def clean_state(model: WhiteBoxModel, x: jax.Array, y: jax.Array, norm: str) -> 
     return BestState(x=x, score=s, attack=full - 1, restart=full, step=full)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "apply_fn", "attacks", "goal_names", "norm", "judging", "unroll", "restart_mode", "indices"
-    ),
-)
+@functools.partial(jax.jit, static_argnames=("apply_fn", "attacks", "goal_names", "norm",
+                                             "judging", "unroll", "restart_mode", "indices"))
 def _bundle(
-    params: Any,
-    x: jax.Array,
-    y: jax.Array,
-    key: jax.Array,
-    example_id: jax.Array,
-    eps: jax.Array,
-    *,
-    apply_fn: Callable[[Any, jax.Array], jax.Array],
-    attacks: tuple[Attack, ...],
-    goal_names: tuple[str, ...],
-    norm: str,
-    judging: str,
-    unroll: int | bool,
-    restart_mode: str,
-    indices: tuple[int, ...] | None = None,
+    params: Any, x: jax.Array, y: jax.Array, key: jax.Array, example_id: jax.Array,
+    eps: jax.Array, *, apply_fn: Callable[[Any, jax.Array], jax.Array],
+    attacks: tuple[Attack, ...], goal_names: tuple[str, ...], norm: str, judging: str,
+    unroll: int | bool, restart_mode: str, indices: tuple[int, ...] | None = None,
 ) -> BundleResult:
     """The jitted bundle. ``indices`` are the attacks' positions in the whole bundle (their key
     folds and the ``attack`` field of their candidates); default ``0, 1, ...``: a cascade runs
@@ -512,20 +483,11 @@ def take_rows(running: Running, positions: jax.Array) -> Running:
 def held_out(result: BundleResult, params: Any, x: jax.Array, y: jax.Array, key: jax.Array,
              example_id: jax.Array, eps: jax.Array, *, apply_fn: Callable, norm: str,
              judging: str) -> BundleResult:
-    """A stochastic model's result re-judged on held-out calls; a deterministic one's as it is.
-
-    Every goal's winner and the clean image are re-scored (:func:`jaxbundle.judge.rejudge`;
-    box and ball re-checked) under ``calls`` calls drawn from each example's held-out stream
-    (:func:`jaxbundle.sampling.heldout_keys`), which neither the attacks nor the judge's
-    choice of the winner saw: the winner's rate on the calls that chose it is the maximum of
-    its candidates' rates, biased upward; on fresh calls it is unbiased. ``best`` and
-    ``clean`` then hold the held-out scores (the success, rate and robust accuracy reported)
-    and ``selection_rate`` the misclassify winner's rate on the choosing calls. The winners
-    themselves are not changed, nor ``attack_success`` (each attack's own verdict on the
-    choosing calls). ``calls * (goals + 1)`` model passes per example, uncounted in
-    ``gradients`` / ``queries`` as every judge's call is. ``x, y, key, example_id, eps``: as
-    given to the bundle (or the cascade) that produced ``result``.
-    """
+    """A stochastic model's ``result`` with every goal's winner and the clean image re-judged
+    on held-out calls (:func:`jaxbundle.judge.held_out`: the success, rate and robust accuracy
+    reported) and ``selection_rate`` the misclassify winner's rate on the calls that chose it
+    (the winners and ``attack_success`` unchanged); a deterministic model's as it is. ``x, y,
+    key, example_id, eps``: as given to the bundle or cascade that produced ``result``."""
     if not sampling.is_stochastic(apply_fn):
         return result
     return _held_out(result, params, x, y, key, example_id, eps, apply_fn=apply_fn, norm=norm,
@@ -536,9 +498,8 @@ def held_out(result: BundleResult, params: Any, x: jax.Array, y: jax.Array, key:
 def _held_out(result, params, x, y, key, example_id, eps, *, apply_fn, norm, judging):
     keys = per_example_keys(key, example_id)
     x, y, eps, _, model = _setup(params, x, y, eps, apply_fn, norm, judging, keys)
-    model = model.replace(keys=sampling.heldout_keys(keys))
-    best = {g: rejudge(b, g, model, x, y, eps, norm) for g, b in result.best.items()}
-    clean, _ = judged_score(model, x, x, y, norm)
+    best, clean = judge_held_out(result.best, model.replace(keys=sampling.heldout_keys(keys)),
+                                 x, y, eps, norm)
     return result._replace(best=best, clean=clean,
                            selection_rate=result.best["misclassify"].score.rate)
 
@@ -631,20 +592,8 @@ def bundle(
         check_inputs(apply_fn, params, x, y, eps, judging=judging)
     if example_id is None:
         example_id = jnp.arange(x.shape[0], dtype=jnp.int32)
-    result = _bundle(
-        params,
-        x,
-        y,
-        key,
-        example_id,
-        eps,
-        apply_fn=apply_fn,
-        attacks=attacks,
-        goal_names=goal_names,
-        norm=norm,
-        judging=judging,
-        unroll=unroll,
-        restart_mode=restart_mode,
-    )
+    result = _bundle(params, x, y, key, example_id, eps, apply_fn=apply_fn, attacks=attacks,
+                     goal_names=goal_names, norm=norm, judging=judging, unroll=unroll,
+                     restart_mode=restart_mode)
     return held_out(result, params, x, y, key, example_id, eps, apply_fn=apply_fn, norm=norm,
                     judging=judging)

@@ -46,6 +46,7 @@ __all__ = [
     "judged_score",
     "verify",
     "rejudge",
+    "held_out",
     "statement",
 ]
 
@@ -204,6 +205,17 @@ def rejudge(best: BestState, goal: str, model: WhiteBoxModel, x0: jax.Array, y: 
     """
     bounded = goals_lib.GOALS[goal].bounded
     return best._replace(score=_checked_score(model, best.x, x0, y, eps, norm, bounded))
+
+
+def held_out(best: dict[str, BestState], model: WhiteBoxModel, x0: jax.Array, y: jax.Array,
+             eps: jax.Array, norm: str) -> tuple[dict[str, BestState], goals_lib.Score]:
+    """Every goal's winner (:func:`rejudge`) and the clean image re-judged under ``model``, a
+    stochastic model under the held-out keys (:func:`jaxbundle.sampling.heldout_keys`), which
+    neither the attacks nor the choice of the winners saw: on the calls that chose it, a
+    winner's rate is the largest of its candidates' rates, biased upward; on fresh calls it is
+    unbiased. ``model.samples * (goals + 1)`` model passes per example."""
+    clean, _ = judged_score(model, x0, x0, y, norm)
+    return {g: rejudge(b, g, model, x0, y, eps, norm) for g, b in best.items()}, clean
 
 
 def statement(judging: str, eps: float, norm: str, n_grid: int, n: int) -> str:

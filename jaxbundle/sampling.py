@@ -36,7 +36,7 @@ calls). Every restart's best is judged before the restarts are folded (the best 
 wins, not the luckiest draw); within a restart the attack's own, EOT-averaged view picks its
 best step (judging every step would cost ``calls`` passes per step).
 
-**Held-out calls** (:func:`jaxbundle.bundler.rejudge`): the rate of the candidate chosen as
+**Held-out calls** (:func:`jaxbundle.bundler.held_out`): the rate of the candidate chosen as
 the best of several over the same calls is biased upward (the best of 5 candidates that each
 fool 40 % of the calls fools more than half of 16 calls 54 % of the time, against 14 % for
 one). So once each example's winner is chosen (every goal's, and the clean image), it is
