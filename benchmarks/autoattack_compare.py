@@ -110,18 +110,26 @@ class Counted:
         return _Counted().eval()
 
 
-def autoattack(model, eps: float, norm: str = "Linf", seed: int = 0):
-    """AutoAttack standard with its original parameters, from torchattacks' parts."""
+def autoattack_parts(model, eps: float, norm: str = "Linf", seed: int = 0) -> tuple:
+    """AutoAttack standard's four attacks with their original parameters, from torchattacks'
+    parts, in AutoAttack's order (``norm``: torchattacks' ``"Linf"`` or ``"L2"``)."""
     import torchattacks as ta
 
-    return ta.MultiAttack([
+    return (
         ta.APGD(model, norm=norm, eps=eps, steps=100, n_restarts=1, loss="ce", seed=seed),
         ta.APGDT(model, norm=norm, eps=eps, steps=100, n_restarts=1, n_classes=10, seed=seed),
         ta.FAB(model, norm=norm, eps=eps, steps=100, n_restarts=1, multi_targeted=True,
                n_classes=10, seed=seed),
         ta.Square(model, norm=norm, eps=eps, n_queries=5000, n_restarts=1, p_init=0.8,
                   resc_schedule=False, seed=seed),
-    ])
+    )
+
+
+def autoattack(model, eps: float, norm: str = "Linf", seed: int = 0):
+    """AutoAttack standard: its four attacks, each on what the earlier ones left."""
+    import torchattacks as ta
+
+    return ta.MultiAttack(list(autoattack_parts(model, eps, norm, seed)))
 
 
 def run_autoattack(net, x, y, eps):

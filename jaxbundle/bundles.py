@@ -60,6 +60,7 @@ class Bundle(NamedTuple):
     mode: str = "full"
     focus: tuple[tuple[str, float], ...] = ()
     segments: int = 1
+    probe: tuple[tuple[str, int], ...] = ()
 
 
 def _a(name: str, only: tuple[str, ...] | None = None, **budget: int):
@@ -102,7 +103,7 @@ def plan(name: str, norm: str = "linf", eps: float | None = None, **fields: Any)
     b = BUNDLES[name]
     attacks = tuple(spec for spec, only in b.attacks if only is None or norm in only)
     base = Plan(eps=eps, norm=norm, attacks=attacks, bundle=name, mode=b.mode, focus=b.focus,
-                segments=b.segments)
+                probe=b.probe, segments=b.segments)
     return base.replace(**fields).check()
 
 

@@ -33,7 +33,7 @@ __all__ = ["build_plan", "main"]
 def build_plan(args: argparse.Namespace, norm: str, eps: float) -> Plan:
     """The plan the flags ask for: ``--bundle``'s (or ``--attacks``' in full mode) with every
     flag given applied to it, checked. ``--schedule full`` on a cascade bundle drops the
-    bundle's own focus and segments; ``--focus`` adds to the bundle's."""
+    bundle's own focus, probe and segments; ``--focus`` and ``--probe`` add to the bundle's."""
     fields = {k: v for k, v in (
         ("steps", args.steps), ("restarts", args.restarts), ("step_size", args.step_size),
         ("queries", args.queries), ("threshold", args.threshold), ("budget", args.budget),
@@ -43,11 +43,13 @@ def build_plan(args: argparse.Namespace, norm: str, eps: float) -> Plan:
     base = (Plan(eps=eps, norm=norm, attacks=tuple(args.attacks)) if args.attacks
             else bundles.plan(args.bundle, norm, eps))
     if args.schedule is not None and args.schedule != base.mode:
-        base = base.replace(mode=args.schedule, focus=(), segments=1)
+        base = base.replace(mode=args.schedule, focus=(), probe=(), segments=1)
     if args.threshold is not None:
         fields["goal"] = "max_confidence"
     if args.focus:
         fields["focus"] = tuple({**base.focus_map, **dict(args.focus)}.items())
+    if args.probe:
+        fields["probe"] = tuple({**base.probe_map, **dict(args.probe)}.items())
     return base.replace(**fields).check()
 
 
@@ -83,6 +85,14 @@ def _rate(text: str) -> float:
     if value >= 1:
         raise argparse.ArgumentTypeError(f"expected a success rate in [0, 1), got {text}")
     return value
+
+
+def _probe(text: str) -> tuple[str, int]:
+    name, sep, steps = text.partition("=")
+    if sep and name.strip() and steps.strip().isdigit() and int(steps) > 0:
+        return name.strip(), int(steps)
+    raise argparse.ArgumentTypeError(
+        f"expected ATTACK=STEPS with STEPS a positive integer, got {text!r}")
 
 
 def _focus(text: str) -> tuple[str, float]:
@@ -202,6 +212,12 @@ def _threat_flags(ev: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         "--focus", type=_focus, action="append", default=[], metavar="ATTACK=FRACTION",
         help="cascade: run ATTACK only on that fraction of the survivors, the most promising "
         "(closest to the goal) first; repeatable; default: the bundle's own",
+    )
+    threat.add_argument(
+        "--probe", type=_probe, action="append", default=[], metavar="ATTACK=STEPS",
+        help="cascade: run ATTACK's first STEPS steps on every survivor, then its focus "
+        "fraction with the most progress of its own goes on; repeatable; default: the bundle's "
+        "own",
     )
     threat.add_argument(
         "--segments", type=_positive_int, default=None, metavar="N",

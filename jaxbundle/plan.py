@@ -81,6 +81,7 @@ class Plan:
     threshold: float | None = None
     budget: float | None = None
     focus: tuple[tuple[str, float], ...] = ()
+    probe: tuple[tuple[str, int], ...] = ()
     segments: int = 1
     batch_size: int = 250
     seed: int = 0
@@ -103,8 +104,10 @@ class Plan:
                 set_(field, int(getattr(self, field)))
         set_("attacks", tuple(AttackSpec(a) if isinstance(a, str) else a for a in attacks))
         set_("goals", (self.goals,) if isinstance(self.goals, str) else tuple(self.goals))
-        focus = self.focus.items() if isinstance(self.focus, dict) else self.focus
-        set_("focus", tuple((str(k), v) for k, v in focus))
+        for field in ("focus", "probe"):
+            pairs = getattr(self, field)
+            pairs = pairs.items() if isinstance(pairs, dict) else pairs
+            set_(field, tuple((str(k), v) for k, v in pairs))
 
     def replace(self, **changes: Any) -> "Plan":
         """The same plan with ``changes`` (``dataclasses.replace``)."""
@@ -114,6 +117,11 @@ class Plan:
     def focus_map(self) -> dict[str, float]:
         """``focus`` as a dict (attack name -> fraction)."""
         return dict(self.focus)
+
+    @property
+    def probe_map(self) -> dict[str, int]:
+        """``probe`` as a dict (attack name -> steps every survivor runs before focus)."""
+        return dict(self.probe)
 
     def attack_values(self) -> tuple[Attack, ...]:
         """The attacks built for the plan's norm, named as in the plan (built once per distinct
@@ -164,7 +172,7 @@ class Plan:
                           "step_size": self.step_size, "queries": self.queries},
             "schedule": {"mode": self.mode, "goal": self.goal, "threshold": self.threshold,
                          "budget": self.budget, "focus": self.focus_map,
-                         "segments": self.segments},
+                         "probe": self.probe_map, "segments": self.segments},
             "run": {"batch_size": self.batch_size, "seed": self.seed, "unroll": self.unroll,
                     "restart_mode": self.restart_mode},
             "stochastic": {"eot": self.eot, "judge_calls": self.judge_calls,
@@ -249,7 +257,8 @@ def _check_schedule(plan: Plan, attacks: tuple[Attack, ...]) -> None:
     if not _is_int(plan.segments) or plan.segments < 1:
         raise ValueError(f"segments must be a positive integer, got {plan.segments!r}")
     if plan.mode != "cascade":
-        for field, given in (("focus", bool(plan.focus)), ("segments", plan.segments > 1),
+        for field, given in (("focus", bool(plan.focus)), ("probe", bool(plan.probe)),
+                             ("segments", plan.segments > 1),
                              ("budget", plan.budget is not None),
                              ("threshold", plan.threshold is not None),
                              ("goal", plan.goal != "misclassify")):
@@ -264,10 +273,25 @@ def _check_schedule(plan: Plan, attacks: tuple[Attack, ...]) -> None:
             raise ValueError(f"focus of {name!r} must be a fraction in (0, 1], got {fraction!r}")
     if len({n for n, _ in plan.focus}) != len(plan.focus):
         raise ValueError(f"focus names an attack twice: {[n for n, _ in plan.focus]}")
+    _check_probe(plan, attacks)
     if plan.focus and goals_lib.GOALS[plan.goal].satisfied is None:
         can = [g.name for g in goals_lib.GOALS.values() if g.satisfied is not None]
         raise ValueError(f"focus needs a goal that can be satisfied ({' or '.join(can)}), "
                          f"not {plan.goal}")
+
+
+def _check_probe(plan: Plan, attacks: tuple[Attack, ...]) -> None:
+    steps = {a.name: a.num_steps for a in attacks}
+    focus = plan.focus_map
+    for name, probe in plan.probe:
+        if name not in focus:
+            raise ValueError(f"probe of {name!r} decides which survivors its focus keeps: give "
+                             f"{name!r} a focus fraction too")
+        if not _is_int(probe) or not 1 <= probe < steps[name]:
+            raise ValueError(f"probe of {name!r} must be a number of its steps in [1, "
+                             f"{steps[name]}), got {probe!r}")
+    if len({n for n, _ in plan.probe}) != len(plan.probe):
+        raise ValueError(f"probe names an attack twice: {[n for n, _ in plan.probe]}")
 
 
 def _check_run(plan: Plan) -> None:

@@ -30,6 +30,7 @@ def attack_rows(metrics: dict) -> list[tuple[str, float | None]]:
     if (metrics.get("schedule") or {}).get("stages") is not None:  # a cascade's stages
         return [
             (f"after {s['attack']} ({s['examples']} attacked"
+             + (f", {s['cut']} stopped after the probe" if s.get("cut") else "")
              + (f", {s['skipped']} survivors skipped)" if s.get("skipped") else ")"),
              s["robust_accuracy"])
             for s in metrics["schedule"]["stages"]

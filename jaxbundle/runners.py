@@ -56,8 +56,8 @@ class Runner(Protocol):
 
     def run(self, plan: Plan, model: Model, batch: Batch) -> tuple[Counts, dict, np.ndarray]:
         """The batch's counts and per-example outputs (device arrays, replicated) and each
-        stage's counts ``[A, STAGE_COLUMNS]`` (examples, rows, gradients, queries, survivors;
-        zeros in full)."""
+        stage's counts ``[A, STAGE_COLUMNS]`` (examples, rows, gradients, queries, survivors,
+        cut; zeros in full)."""
 
     def figures(self, plan: Plan, metrics: dict, per_example: dict, attacks, stages) -> dict:
         """The figures the schedule sets (``schedule``, and what it replaces)."""
@@ -162,22 +162,22 @@ def _cascade_figures(plan: Plan, metrics: dict, per_example: dict, attacks, stag
     n = len(ok)
     rows = []
     for k, a in enumerate(attacks):
-        examples, computed, gradients, queries, survivors = (int(v) for v in stages[k])
+        examples, computed, gradients, queries, survivors, cut = (int(v) for v in stages[k])
         rows.append({
             "attack": a.name, "survivors": survivors, "examples": examples,
-            "skipped": survivors - examples, "rows": computed,
+            "skipped": survivors - examples, "cut": cut, "rows": computed,
             "gradients": gradients, "queries": queries,
             "robust_accuracy": 100.0 * float(np.sum(ok & ~fooled[:, k])) / n,
         })
     black = [a.black_box for a in attacks]
     white_first = not any(b and not c for b, c in zip(black, black[1:]))  # no white after black
-    skipped = sum(row["skipped"] for row in rows)
+    skipped = sum(row["skipped"] + row["cut"] for row in rows)
     statement = None if not skipped else (
-        "stages left survivors unattacked ("
-        + ", ".join(f"{r['attack']}: {r['skipped']} of {r['survivors']}" for r in rows
-                    if r["skipped"])
-        + "; focus or budget): the robust accuracy is an upper bound that running those stages "
-        "on every survivor could lower")
+        "stages left survivors unattacked or stopped them after a probe ("
+        + ", ".join(f"{r['attack']}: {r['skipped'] + r['cut']} of {r['survivors']}"
+                    for r in rows if r["skipped"] + r["cut"])
+        + "; focus, probe or budget): the robust accuracy is an upper bound that running those "
+        "stages in full on every survivor could lower")
     out = {
         "schedule": dict(plan.describe()["schedule"], stages=rows, skipped=skipped,
                          statement=statement),

@@ -78,6 +78,7 @@ class Stage(NamedTuple):
     queries: int  # model queries it spent on the real examples
     survivors: int  # real examples whose goal the stages before left unsatisfied: focus and
     #   budget chose ``examples`` of them; the others were skipped
+    cut: int = 0  # of ``examples``, those a probe stopped after its steps (focus kept the rest)
 
 
 def bucket_sizes(batch_size: int, multiple: int = 1) -> tuple[int, ...]:
@@ -151,6 +152,16 @@ def _host_reader(mesh) -> Callable[[jax.Array], np.ndarray]:
     return lambda a: jax.tree.map(np.asarray, replicate(a))
 
 
+@glue_jit(static_argnames=("goal",))
+def _progress(found, clean, goal):
+    """Per row: how much of the way from the clean image to ``goal`` the stage's own best has
+    come, ``(promise(own) - promise(clean)) / |promise(clean)|`` (misclassify: the fraction of
+    the clean margin it closed). The stage's own view, not the stages' before it: a survivor
+    whose gradients mislead the white-box stages is ranked by what the probe found."""
+    start = goals_lib.GOALS[goal].promise(clean)
+    return (promise(found, goal) - start) / jnp.maximum(jnp.abs(start), 1e-6)
+
+
 @glue_jit
 def _take(tree, rows):
     return jax.tree.map(lambda a: jnp.take(a, rows, axis=0), tree)
@@ -199,6 +210,7 @@ class _Outcome(NamedTuple):
     improving: jax.Array
     steps: np.ndarray
     row_steps: int
+    cut: int = 0  # examples a probe stopped after its steps
 
 
 class _AttackRows(NamedTuple):
@@ -247,33 +259,37 @@ def _whole_stage(b: _Batch, attack: Attack, k: int, order: np.ndarray, best, suc
 
 
 def _segmented_stage(b: _Batch, attack: Attack, k: int, order: np.ndarray, best, success,
-                     distortion, best_step, improving, segments: int) -> _Outcome:
+                     distortion, best_step, improving, segments: int,
+                     probe: tuple[int, int] | None = None) -> _Outcome:
     """Attack ``k`` on the rows ``order`` in up to ``segments`` runs of its steps. After each,
     the rows whose goal is satisfied stop; the others are compacted into a bucket at most half
     the size of the current one once they fit (fewer shapes to compile), else they go on in
-    place."""
+    place. With ``probe = (steps, keep)``, the first run is ``steps`` long and only the
+    ``keep`` rows with the most :func:`_progress` of their own go on after it."""
     static = dict(apply_fn=b.apply_fn, attack=attack, index=k, goal_names=b.goal_names,
                   norm=b.plan.norm, judging=b.plan.judging, restart_mode=b.plan.restart_mode)
     rows = _padded(order, _bucket(b.sizes, order.size))
     sub = _take((b.x, b.y, b.example_id, b.eps), rows)
     running = bundler.start_stage(b.params, sub[0], sub[1], b.key, sub[2], sub[3], **static)
-    steps, row_steps = np.zeros(b.y.shape[0], np.int64), 0
+    steps, row_steps, cut = np.zeros(b.y.shape[0], np.int64), 0, 0
     length = -(-attack.num_steps // segments)
     live = np.ones(rows.size, bool)  # rows of the bucket still running (padding: False)
     live[order.size:] = False
     t = 0
     while True:
-        t1 = min(t + length, attack.num_steps)
+        t1 = min(t + (probe[0] if probe and t == 0 else length), attack.num_steps)
         x, y, _, eps = sub
         running = bundler.step_stage(b.params, running, x, y, eps, jnp.int32(t), jnp.int32(t1),
                                      **static)
         steps[rows[live]] = t1
         row_steps += rows.size * (t1 - t)
+        probing = probe is not None and t == 0
         t = t1
         last = t == attack.num_steps
         judged = bundler.judge_stage(
             b.params, running, x, y, eps, jnp.int32(t), last=last, **static
         )
+        ranks = _progress(judged[0], running.clean.score, b.plan.goal) if probing else None
         # A row that stopped earlier keeps its result: its repeats here merge the same values.
         keep = _padded(np.flatnonzero(live), rows.size) if not live.all() else None
         merged_rows = rows if keep is None else rows[keep]
@@ -289,6 +305,10 @@ def _segmented_stage(b: _Batch, attack: Attack, k: int, order: np.ndarray, best,
             break
         done, _ = b.host(_status(best, b.eps, b.plan.goal, b.plan.threshold, False))  # 1 sync
         live &= ~done[rows]
+        if probing:
+            before = int(live.sum())
+            live = _most_progress(live, b.host(ranks), probe[1])
+            cut = before - int(live.sum())
         if not live.any():
             break
         size = _bucket(b.sizes, int(live.sum()))
@@ -298,27 +318,43 @@ def _segmented_stage(b: _Batch, attack: Attack, k: int, order: np.ndarray, best,
             rows = rows[positions]
             sub = _take(sub, jnp.asarray(positions))
             live = np.arange(size) < int(live.sum())
-    return _Outcome(best, success, distortion, best_step, improving, steps, row_steps)
+    return _Outcome(best, success, distortion, best_step, improving, steps, row_steps, cut)
 
 
-def _run_stage(b: _Batch, attack: Attack, *args) -> _Outcome:
-    """Stage ``attack`` in the plan's segments, or whole: an attack whose goal is never
-    satisfied (min-norm: a smaller distortion is always better) is never done early."""
+def _most_progress(live: np.ndarray, progress: np.ndarray, keep: int) -> np.ndarray:
+    """``live`` with only its ``keep`` rows of most ``progress`` left True."""
+    rows = np.flatnonzero(live)
+    chosen = rows[np.argsort(-progress[rows], kind="stable")[:keep]]
+    out = np.zeros_like(live)
+    out[chosen] = True
+    return out
+
+
+def _run_stage(b: _Batch, attack: Attack, *args, probe: tuple[int, int] | None = None
+               ) -> _Outcome:
+    """Stage ``attack`` in the plan's segments (after a probe, if it has one), or whole: an
+    attack whose goal is never satisfied (min-norm: a smaller distortion is always better) is
+    never done early."""
     segments = b.plan.segments
     never_done = any(goals_lib.GOALS[g].satisfied is None for g in (b.plan.goal, attack.goal))
-    if segments > 1 and attack.num_steps >= segments and not never_done:
-        return _segmented_stage(b, attack, *args, segments)
+    if probe is not None or (segments > 1 and attack.num_steps >= segments and not never_done):
+        return _segmented_stage(b, attack, *args, segments, probe)
     return _whole_stage(b, attack, *args)
+
+
+def _focus_size(b: _Batch, fraction: float, survivors: int) -> int:
+    """How many survivors a focus fraction keeps: the bucket size nearest to ``fraction *
+    survivors`` (no padding rows; on average the stage costs what the fraction asks)."""
+    return min(_nearest_bucket(b.sizes, fraction * survivors), survivors)
 
 
 def _stage_rows(b: _Batch, attack: Attack, order: np.ndarray, closeness: np.ndarray,
                 fraction: float | None, left: float | None, spent: np.ndarray) -> np.ndarray:
     """The rows stage ``attack`` runs on, of the survivors ``order``: with a focus fraction, the
-    most promising, as many as the bucket size nearest to ``fraction * survivors`` (no padding
-    rows, and on average the stage costs what the fraction asks); with a budget left, those the
-    budget pays for, the least run first."""
+    most promising, as many as :func:`_focus_size`; with a budget left, those the budget pays
+    for, the least run first."""
     if fraction is not None and order.size:
-        keep = min(_nearest_bucket(b.sizes, fraction * order.size), order.size)
+        keep = _focus_size(b, fraction, order.size)
         order = np.sort(order[np.argsort(-closeness[order], kind="stable")][:keep])
     cost = attack.gradients + attack.queries
     if left is not None and cost:
@@ -351,6 +387,7 @@ def cascade(plan: Plan, attacks: Sequence[Attack], apply_fn: Callable, params: A
       each example really cost) and one :class:`Stage` per attack.
     """
     attacks, focus, batch = tuple(attacks), plan.focus_map, int(y.shape[0])
+    probes = plan.probe_map
     real = np.ones(batch, bool) if mask is None else np.asarray(mask, bool)
     eps = jnp.broadcast_to(jnp.asarray(eps, jnp.float32), y.shape)
     best, clean, eps_aimed, grid = _start(
@@ -366,14 +403,18 @@ def cascade(plan: Plan, attacks: Sequence[Attack], apply_fn: Callable, params: A
     left = None if plan.budget is None else float(plan.budget) * int(real.sum())
     stages = []
     for k, attack in enumerate(attacks):
+        probed = attack.name in probes  # focus after a probe, by the stage's own progress
         done, closeness = b.host(_status(best, eps, plan.goal, plan.threshold,
-                                         attack.name in focus))
+                                         attack.name in focus and not probed))
         survivors = np.flatnonzero(real & ~done)
-        order = _stage_rows(b, attack, survivors, closeness, focus.get(attack.name), left, spent)
+        order = _stage_rows(b, attack, survivors, closeness,
+                            None if probed else focus.get(attack.name), left, spent)
         if order.size == 0:
             stages.append(Stage(k, 0, 0, 0, 0, survivors.size))
             continue
-        out = _run_stage(b, attack, k, order, best, *(r[k] for r in rows))
+        probe = ((probes[attack.name], _focus_size(b, focus[attack.name], order.size))
+                 if probed else None)
+        out = _run_stage(b, attack, k, order, best, *(r[k] for r in rows), probe=probe)
         best, rows = out.best, rows.set(k, out)
         ran = np.zeros(batch, bool)
         ran[order] = True
@@ -385,7 +426,8 @@ def cascade(plan: Plan, attacks: Sequence[Attack], apply_fn: Callable, params: A
         if left is not None:
             left -= float(np.sum(grads + asked))
         stages.append(Stage(k, int(order.size), -(-out.row_steps // max(attack.num_steps, 1)),
-                            int(np.sum(grads[real])), int(np.sum(asked[real])), survivors.size))
+                            int(np.sum(grads[real])), int(np.sum(asked[real])), survivors.size,
+                            out.cut))
     result = BundleResult(
         best=best, clean=clean, attack_success=rows.success, attack_distortion=rows.distortion,
         attack_step=rows.best_step, attack_improving=rows.improving,

@@ -65,11 +65,12 @@ MODEL_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("goals", "the goals tracked", ""),
     ("plan", "the plan as run (jaxbundle.Plan.describe(): threat model, attacks, overrides, "
      "schedule, run options, stochastic options)", ""),
-    ("schedule", "{mode, goal, threshold, budget, focus, segments, stages, skipped, "
+    ("schedule", "{mode, goal, threshold, budget, focus, probe, segments, stages, skipped, "
      "statement}: stages (cascade) list per attack the survivors it could run on, the "
-     "examples it ran on, the survivors focus and budget skipped, rows computed, gradients, "
-     "queries and the robust accuracy after it; skipped: their sum; statement: when any were "
-     "skipped, that the robust accuracy is an upper bound a full run could lower", ""),
+     "examples it ran on, the survivors focus and budget skipped, those a probe cut short, "
+     "rows computed, gradients, queries and the robust accuracy after it; skipped: the "
+     "skipped and cut, summed; statement: when any were, that the robust accuracy is an upper "
+     "bound a full run could lower", ""),
     ("judging", "{mode, grid_examples, float_examples, grid_radius, statement}: how successes "
      "were judged", ""),
     ("data", "{name, n}", ""),

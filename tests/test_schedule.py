@@ -17,7 +17,7 @@ from jaxbundle import attacks as attacks_lib
 from jaxbundle import goals as goals_lib
 from jaxbundle import suites
 from jaxbundle import Plan, evaluate
-from jaxbundle.bundler import bundle, goals_for
+from jaxbundle.bundler import _bundle, bundle, goals_for
 from jaxbundle.schedule import _nearest_bucket, bucket_sizes, cascade
 from toys import images, linear_apply, linear_problem, min_distance
 
@@ -358,6 +358,69 @@ def test_focus_spends_a_stage_on_the_most_promising_survivors_only():
     assert 0 < gained <= keep < fooled_full.sum() - (len(y) - survivors.size)
 
 
+def test_a_probe_ranks_survivors_by_the_stage_s_own_progress():
+    """With a probe, every survivor runs the stage's first ``probe`` steps; then only the
+    ``focus`` share with the most progress of the stage's own (the fraction of the clean margin
+    its best closed, computed here from a separate run of the probe's steps alone) goes on,
+    whatever the earlier stages' margins say; the others are charged the probe's queries."""
+    params, x, y, eps = _problem(n=48, seed=3)
+    probe, queries = 5, 21  # Square: 1 query at init, 1 per step
+    square = lambda q: attacks_lib.square("linf", queries=q, p_init=0.8,  # noqa: E731
+                                          rescale_schedule=False, name="sq")
+    atts = (attacks_lib.fgsm(), square(queries))
+    goals = goals_for(("misclassify",), atts)
+    ids = jnp.arange(len(y), dtype=jnp.int32)
+    res, stages = _cascade(atts, params, x, y, ids, eps, goal_names=goals,
+                           focus={"sq": 0.25}, probe={"sq": probe})
+    first, _ = _cascade(atts[:1], params, x, y, ids, eps, goal_names=goals)
+    survivors = np.flatnonzero(~np.asarray(first.best["misclassify"].score.misclassified))
+    # The probe alone: the same Square, the same keys (index 1), stopped after `probe` steps
+    # (no rescaled schedule, so its first steps are the long run's).
+    short = _bundle(params, x, y, KEY, ids, jnp.full(y.shape, eps, jnp.float32),
+                    apply_fn=linear_apply, attacks=(square(probe + 1),), goal_names=goals,
+                    norm="linf", judging="auto", unroll=1, restart_mode="vmap", indices=(1,))
+    own = np.asarray(short.best["misclassify"].score.margin)
+    start = np.asarray(short.clean.margin)
+    progress = (own - start) / np.abs(start)
+    fooled_in_probe = np.asarray(short.best["misclassify"].score.misclassified)
+    left = np.setdiff1d(survivors, np.flatnonzero(fooled_in_probe))
+    keep = 12  # 0.25 * 43 survivors = 10.75: the nearest bucket of 48 in ratio is 12, not 9
+    assert survivors.size == 43 and stages[1].examples == 43
+    expected = np.sort(left[np.argsort(-progress[left], kind="stable")[:keep]])
+    charged = np.asarray(res.queries)
+    went_on = np.flatnonzero(charged > 1 + probe)
+    np.testing.assert_array_equal(went_on, expected)
+    assert stages[1].cut == left.size - keep
+    # Every survivor ran the probe and was charged for it; the others were not attacked.
+    np.testing.assert_array_equal(np.flatnonzero(np.asarray(res.attack_step[1]) != -2),
+                                  survivors)
+    assert (charged[survivors] >= 1 + probe).all()
+    assert set(np.flatnonzero(charged == 1 + probe)) == set(left) - set(expected)
+    # The earlier stage's margin would have chosen others: the probe is not that ranking.
+    margin = np.asarray(first.best["misclassify"].score.margin)
+    by_margin = np.sort(left[np.argsort(-margin[left], kind="stable")[:keep]])
+    assert not np.array_equal(by_margin, expected)
+
+
+@pytest.mark.parametrize(
+    "probe, message",
+    [
+        ({"sq": 0}, "steps in [1, 40)"),
+        ({"sq": 40}, "steps in [1, 40)"),
+        ({"sq": 2.5}, "steps in [1, 40)"),
+        ({"fgsm": 1}, "give 'fgsm' a focus fraction too"),
+    ],
+)
+def test_bad_probe_is_one_clear_error(probe, message):
+    plan = Plan(eps=0.1, attacks=(attacks_lib.fgsm(), attacks_lib.square("linf", queries=41,
+                                                                         name="sq")),
+                goals=("misclassify",), mode="cascade", focus={"sq": 0.5}, probe=probe)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        plan.check()
+    with pytest.raises(ValueError, match=re.escape("needs mode='cascade'")):
+        plan.replace(mode="full", focus=()).check()
+
+
 @pytest.mark.parametrize(
     "focus, goal, message",
     [
@@ -403,7 +466,8 @@ def test_a_focused_cascade_says_what_it_skipped(tmp_path):
     assert stages[1]["skipped"] == 34 == focused.metrics["schedule"]["skipped"]
     assert stages[0]["skipped"] == 0 and stages[0]["survivors"] == ok.sum()
     statement = focused.metrics["schedule"]["statement"]
-    assert statement.startswith("stages left survivors unattacked (pgd: 34 of 43; focus or")
+    assert statement.startswith("stages left survivors unattacked or stopped them after a "
+                                "probe (pgd: 34 of 43; focus, probe or")
     assert "upper bound" in statement
     assert whole.metrics["schedule"]["skipped"] == 0
     assert whole.metrics["schedule"]["statement"] is None

@@ -1,0 +1,314 @@
+"""Candidate bundles against AutoAttack, setting by setting, under the held-out protocol.
+
+``PROTOCOL.md`` beside this file fixes the two sets (tuning, held-out), the radii, which settings
+are reported and the targets. For every (model, norm, eps) of a set this script
+
+1. runs APGD-CE (20 steps, jaxbundle) and skips the setting where it leaves under 2 % robust;
+2. runs AutoAttack standard (original parameters, torchattacks' parts: APGD-CE, APGD-T, FAB-T,
+   Square, each on what the earlier ones left, as ``MultiAttack`` does) on a torch copy of the
+   same weights, re-judging every returned image with the JAX model in float32 (box, ball,
+   misclassified), and records which of its attacks fooled each example; cached per setting
+   under ``--aa-cache``;
+3. runs each candidate bundle through ``jaxbundle.evaluate`` exactly as the CLI runs it (goal
+   misclassify, batch = n, seed 0), model passes counted at the model boundary, timed cold
+   (first call in the process for that setting) and warm (median of ``--rounds``);
+4. appends one JSON line per (setting, candidate) to ``--out``.
+
+Candidates are named bundles (``default``) or variants from ``--variants FILE.jsonl``, one JSON
+object a line: ``{"name": "v1", "bundle": [["apgd-ce", {"steps": 20}], ...], "focus":
+{"square-aa": 0.08}, "probe": {"square-aa": 250}, "segments": 6, "plan": {...other Plan
+fields...}}``.
+
+Needs torch and torchattacks (never jaxbundle's dependencies); see benchmarks/README.md::
+
+    python benchmarks/heldout/run.py --set tuning --bundles default --aa-cache /tmp/aa \\
+        --out /tmp/tuning.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Callable, NamedTuple
+
+import jax
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
+
+from autoattack_compare import Counted, autoattack_parts, counting, torch_network  # noqa: E402
+
+import jaxbundle  # noqa: E402
+from jaxbundle import AttackSpec, bundles, data, models  # noqa: E402
+
+GREY_LINF = (13 / 255, 26 / 255, 38 / 255, 51 / 255, 77 / 255)
+GREY_L2 = (0.5, 1.0, 1.5, 2.0, 3.0)
+COLOUR_LINF = (2 / 255, 4 / 255, 8 / 255, 12 / 255, 16 / 255)
+COLOUR_L2 = (0.25, 0.5, 1.0, 1.5)
+
+
+class Setting(NamedTuple):
+    """One model of a set: where its images come from and the radii it is evaluated at."""
+
+    model: str
+    source: str  # "demo" (jaxbundle.models.MODELS) or "zoo" (benchmarks/heldout/zoo.py)
+    data: str  # the zoo's data name ("grey28" for the demo models)
+    start: int  # first test image
+    eps: dict[str, tuple[float, ...]]  # norm -> radii
+
+
+def _grey(model, source, data_name="grey28", start=1000):
+    return Setting(model, source, data_name, start, {"linf": GREY_LINF, "l2": GREY_L2})
+
+
+def _colour(model, data_name):
+    return Setting(model, "zoo", data_name, 1000, {"linf": COLOUR_LINF, "l2": COLOUR_L2})
+
+
+SETS: dict[str, tuple[Setting, ...]] = {
+    "tuning": (
+        Setting("adversarial", "demo", "grey28", 0,
+                {"linf": (76 / 255, 80 / 255, 82 / 255), "l2": (1.5, 2.0)}),
+        Setting("adversarial-linen", "demo", "grey28", 0,
+                {"linf": (64 / 255, 70 / 255, 76 / 255)}),
+        Setting("standard", "demo", "grey28", 0,
+                {"linf": (13 / 255, 26 / 255), "l2": (0.5, 1.0)}),
+    ),
+    "heldout": (
+        _grey("mlp-std", "zoo"), _grey("mlp-pgd", "zoo"),
+        _grey("cnn-pgd-0.1", "zoo", "grey32-off"), _grey("cnn-pgd-0.3", "zoo"),
+        _grey("cnn-trades", "zoo"), _grey("cnn-l2", "zoo"),
+        _colour("resnet-std", "colour32"), _colour("resnet-pgd", "colour32"),
+        _colour("cnn-colour-l2", "colour32-off"),
+    ),
+}
+AA_ATTACKS = ("apgd-ce", "apgd-t", "fab-t", "square")
+
+
+# ---------------------------------------------------------------------------- models and data
+
+
+def load(setting: Setting, n: int):
+    """``(apply_fn, params, x, y, torch_net)`` of a setting: the model, its ``n`` images and
+    the torch copy of its weights (logits checked against the JAX model's)."""
+    if setting.source == "demo":
+        apply_fn, params = models.load_or_train(models.MODELS[setting.model])
+        sample = data.load_mnist_sample("test", n=setting.start + n)
+        x = np.asarray(sample.x, np.float32)[setting.start:]
+        y = np.asarray(sample.y)[setting.start:]
+        net = torch_network(params)
+    else:
+        import zoo
+
+        apply_fn, params = zoo.load(setting.model)
+        x, y = zoo.dataset(setting.data, "test", start=setting.start, n=n)
+        net = zoo.torch_network(setting.model, params)
+    import torch
+
+    with torch.no_grad():
+        gap = float(np.abs(net(torch.tensor(x.transpose(0, 3, 1, 2))).numpy()
+                           - np.asarray(apply_fn(params, x))).max())
+    if gap > 1e-3:
+        raise SystemExit(f"the torch copy of {setting.model} differs: max logit gap {gap}")
+    return apply_fn, params, x, y, net
+
+
+# ---------------------------------------------------------------------------- AutoAttack
+
+
+def _valid(x, x_adv, eps, norm) -> np.ndarray:
+    """In the box and the ball (float32 tolerances)."""
+    flat = (x_adv - x).reshape(len(x), -1)
+    size = np.abs(flat).max(1) if norm == "linf" else np.sqrt((flat.astype(np.float64) ** 2)
+                                                               .sum(1))
+    tol = 1e-6 if norm == "linf" else 1e-5 * eps + 1e-6
+    inside = (x_adv.reshape(len(x), -1).min(1) >= 0) & (x_adv.reshape(len(x), -1).max(1) <= 1)
+    return (size <= eps + tol) & inside
+
+
+def run_autoattack(net, apply_fn, params, x, y, eps, norm) -> dict:
+    """AutoAttack as ``MultiAttack`` runs it (each attack on the examples the earlier ones
+    left), every image re-judged here. Per example: robust, and the attack that fooled it."""
+    import torch
+
+    counted = Counted(net)
+    predict = jax.jit(lambda p, a: jax.numpy.argmax(apply_fn(p, a), -1))
+    clean_ok = np.asarray(predict(params, x)) == y
+    by = np.full(len(y), -1)  # -1: robust or clean-wrong; k: fooled by attack k
+    left = clean_ok.copy()
+    start = time.perf_counter()
+    parts = autoattack_parts(counted, eps, {"linf": "Linf", "l2": "L2"}[norm])
+    for k, attack in enumerate(parts):
+        rows = np.flatnonzero(left)
+        if rows.size == 0:
+            break
+        xt = torch.tensor(np.ascontiguousarray(x[rows].transpose(0, 3, 1, 2)))
+        adv = attack(xt, torch.tensor(y[rows].astype(np.int64))).detach().numpy()
+        adv = np.ascontiguousarray(adv.transpose(0, 2, 3, 1))
+        fooled = (np.asarray(predict(params, adv)) != y[rows]) & _valid(x[rows], adv, eps, norm)
+        by[rows[fooled]] = k
+        left[rows[fooled]] = False
+    seconds = time.perf_counter() - start
+    return {"robust": left.astype(int).tolist(), "fooled_by": by.tolist(),
+            "robust_accuracy": 100 * float(left.mean()), "seconds": seconds,
+            "passes_per_example": (counted.forward_rows + counted.backward_rows) / len(y)}
+
+
+def cached_autoattack(cache: str | None, key: str, compute: Callable[[], dict]) -> dict:
+    path = cache and os.path.join(cache, f"{key}.json")
+    if path and os.path.exists(path):
+        with open(path) as f:
+            return {**json.load(f), "from_cache": path}
+    entry = compute()
+    if path:
+        os.makedirs(cache, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(entry, f)
+    return entry
+
+
+# ---------------------------------------------------------------------------- candidates
+
+
+def register(variant: dict) -> str:
+    """Registers a variant as a named bundle; returns its name."""
+    name = f"variant-{variant['name']}"
+    bundles.BUNDLES[name] = bundles.Bundle(
+        tuple((AttackSpec(a, **o), None) for a, o in variant["bundle"]),
+        variant.get("mode", "cascade"), tuple(variant.get("focus", {}).items()),
+        variant.get("segments", 1), tuple(variant.get("probe", {}).items()))
+    return name
+
+
+def _plan(name, norm, eps, n, extra):
+    return bundles.plan(name, norm, eps, goals=("misclassify",), batch_size=n, seed=0,
+                        **extra)
+
+
+def _robust(result) -> np.ndarray:
+    pe = result.per_example
+    return (pe["clean_prediction"] == pe["label"]) & ~pe["success"].astype(bool)
+
+
+def run_candidate(name, extra, apply_fn, params, x, y, eps, norm, rounds, aa) -> dict:
+    """One candidate: its first call in the process (cold, timed), a run with the model passes
+    counted at the model boundary, then ``rounds`` warm timed runs; compared with AutoAttack's
+    per-example verdicts ``aa``."""
+    plan = _plan(name, norm, eps, len(y), extra)
+
+    def evaluate(fn):
+        return jaxbundle.evaluate(fn, params, (x, y), plan, mesh=None, keep_images=False)
+
+    start = time.perf_counter()
+    result = evaluate(apply_fn)
+    cold = time.perf_counter() - start
+    robust = _robust(result)
+    counts = {"forward": 0, "backward": 0}
+    same = np.array_equal(_robust(evaluate(counting(apply_fn, counts))), robust)
+    jax.effects_barrier()
+    warm = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        again = _robust(evaluate(apply_fn))
+        warm.append(time.perf_counter() - start)
+        same &= np.array_equal(again, robust)
+    if not same:
+        raise SystemExit(f"{name}: the timed and the counted runs disagree")
+    robust_aa = np.asarray(aa["robust"], bool)
+    missed = robust & ~robust_aa
+    passes = (counts["forward"] + counts["backward"]) / len(y)
+    stages = (result.metrics.get("schedule") or {}).get("stages") or []
+    return {
+        "robust_accuracy": 100 * float(robust.mean()),
+        "missed": int(missed.sum()), "extra": int((~robust & robust_aa).sum()),
+        "missed_by_aa_attack": {AA_ATTACKS[k]: int(np.sum(missed & (np.asarray(
+            aa["fooled_by"]) == k))) for k in range(4)},
+        "passes_per_example": passes, "passes_ratio": passes / aa["passes_per_example"],
+        "seconds_cold": cold, "seconds_warm": statistics.median(warm) if warm else None,
+        "warm_ratio": statistics.median(warm) / aa["seconds"] if warm else None,
+        "stages": [{k: s.get(k) for k in ("attack", "survivors", "examples", "robust_accuracy")}
+                   for s in stages],
+    }
+
+
+# ---------------------------------------------------------------------------- the run
+
+
+def _screen(apply_fn, params, x, y, eps, norm) -> float:
+    plan = jaxbundle.Plan(eps=eps, norm=norm, attacks=(AttackSpec("apgd-ce", steps=20),),
+                          goals=("misclassify",), batch_size=len(y))
+    return 100 * float(_robust(jaxbundle.evaluate(apply_fn, params, (x, y), plan, mesh=None,
+                                                  keep_images=False)).mean())
+
+
+def run(args, candidates: list[tuple[str, dict]], log: Callable[[str], None]) -> None:
+    wanted = set(args.models.split(",")) if args.models else None
+    for setting in SETS[args.set]:
+        if wanted and setting.model not in wanted:
+            continue
+        apply_fn, params, x, y, net = load(setting, args.n)
+        for norm in args.norms.split(","):
+            for eps in setting.eps.get(norm, ()):
+                label = f"{setting.model} {norm} {eps:.4f}"
+                screen = _screen(apply_fn, params, x, y, eps, norm)
+                if screen < 2:
+                    log(f"{label}: APGD-CE-20 leaves {screen:.1f} % robust: skipped")
+                    continue
+                key = f"{args.set}_{setting.model}_{norm}_{eps:.6f}_n{args.n}"
+                aa = cached_autoattack(args.aa_cache, key, lambda: run_autoattack(
+                    net, apply_fn, params, x, y, eps, norm))
+                reported = 2 <= aa["robust_accuracy"] <= 95
+                note = "" if reported else " [not reported]"
+                log(f"{label}: AutoAttack {aa['robust_accuracy']:.1f} % ({aa['seconds']:.0f} s,"
+                    f" {aa['passes_per_example']:.0f} passes/ex){note}")
+                for name, extra in candidates:
+                    row = run_candidate(name, extra, apply_fn, params, x, y, eps, norm,
+                                        args.rounds, aa)
+                    log(f"  {name}: {row['robust_accuracy']:.1f} %, missed {row['missed']} "
+                        f"{row['missed_by_aa_attack']}, extra {row['extra']}, passes "
+                        f"{row['passes_ratio']:.3f}, warm {row['warm_ratio']}, cold "
+                        f"{row['seconds_cold']:.1f} s")
+                    if args.out:
+                        with open(args.out, "a") as f:
+                            f.write(json.dumps({
+                                "set": args.set, "model": setting.model, "data": setting.data,
+                                "norm": norm, "eps": eps, "n": args.n, "candidate": name,
+                                "reported": reported, "apgd_ce_20": screen,
+                                "autoattack": {k: v for k, v in aa.items()
+                                               if k not in ("robust", "fooled_by")},
+                                **row}) + "\n")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--set", choices=tuple(SETS), required=True)
+    parser.add_argument("--models", default=None, help="comma-separated; default: the set's")
+    parser.add_argument("--norms", default="linf,l2")
+    parser.add_argument("--bundles", default="default", help="named bundles, comma-separated")
+    parser.add_argument("--variants", default=None, metavar="JSONL")
+    parser.add_argument("--n", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--aa-cache", default=None, metavar="DIR")
+    parser.add_argument("--out", default=None, metavar="JSONL")
+    args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    candidates = [(b, {}) for b in args.bundles.split(",") if b]
+    if args.variants:
+        with open(args.variants) as f:
+            for line in f:
+                if line.strip():
+                    v = json.loads(line)
+                    candidates.append((register(v), v.get("plan", {})))
+    run(args, candidates, lambda line: print(line, flush=True))
+
+
+if __name__ == "__main__":
+    main()
