@@ -64,8 +64,15 @@ from jaxbundle.bundler import BestState, BundleResult, _bundle, fold, glue_jit
 from jaxbundle.plan import Plan
 
 __all__ = [
-    "Stage", "bucket_sizes", "cascade", "promise", "satisfied",
+    "PROBE_GAIN", "Stage", "bucket_sizes", "cascade", "promise", "satisfied",
 ]
+
+# A probe's share grows by this many times the fraction of the survivors the probe itself
+# fooled: a black-box probe that fools 1 in 20 survivors is evidence that the white-box stages
+# were misled on this model, and the whole stage goes on (chosen on the tuning set of
+# benchmarks/heldout/PROTOCOL.md).
+PROBE_GAIN = 20.0
+
 
 class Stage(NamedTuple):
     """What one stage of a cascade did on one batch (host integers)."""
@@ -260,12 +267,12 @@ def _whole_stage(b: _Batch, attack: Attack, k: int, order: np.ndarray, best, suc
 
 def _segmented_stage(b: _Batch, attack: Attack, k: int, order: np.ndarray, best, success,
                      distortion, best_step, improving, segments: int,
-                     probe: tuple[int, int] | None = None) -> _Outcome:
+                     probe: tuple[int, float, np.ndarray] | None = None) -> _Outcome:
     """Attack ``k`` on the rows ``order`` in up to ``segments`` runs of its steps. After each,
     the rows whose goal is satisfied stop; the others are compacted into a bucket at most half
     the size of the current one once they fit (fewer shapes to compile), else they go on in
-    place. With ``probe = (steps, keep)``, the first run is ``steps`` long and only the
-    ``keep`` rows with the most :func:`_progress` of their own go on after it."""
+    place. With ``probe = (steps, fraction, closeness)``, the first run is ``steps`` long and
+    only some rows go on after it (:func:`_after_probe`)."""
     static = dict(apply_fn=b.apply_fn, attack=attack, index=k, goal_names=b.goal_names,
                   norm=b.plan.norm, judging=b.plan.judging, restart_mode=b.plan.restart_mode)
     rows = _padded(order, _bucket(b.sizes, order.size))
@@ -307,7 +314,7 @@ def _segmented_stage(b: _Batch, attack: Attack, k: int, order: np.ndarray, best,
         live &= ~done[rows]
         if probing:
             before = int(live.sum())
-            live = _most_progress(live, b.host(ranks), probe[1])
+            live = _after_probe(b.sizes, live, order.size, probe, b.host(ranks), rows)
             cut = before - int(live.sum())
         if not live.any():
             break
@@ -321,17 +328,29 @@ def _segmented_stage(b: _Batch, attack: Attack, k: int, order: np.ndarray, best,
     return _Outcome(best, success, distortion, best_step, improving, steps, row_steps, cut)
 
 
-def _most_progress(live: np.ndarray, progress: np.ndarray, keep: int) -> np.ndarray:
-    """``live`` with only its ``keep`` rows of most ``progress`` left True."""
-    rows = np.flatnonzero(live)
-    chosen = rows[np.argsort(-progress[rows], kind="stable")[:keep]]
+def _after_probe(sizes: tuple[int, ...], live: np.ndarray, survivors: int, probe,
+                 progress: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """The rows that go on after a probe: a share of the stage's ``survivors``, the focus
+    fraction plus :data:`PROBE_GAIN` times the fraction the probe fooled (rounded to the nearest
+    bucket size, at most all); half of them the most promising under the earlier stages
+    (``closeness``), the rest those with the most ``progress`` of the stage's own. ``live``:
+    the bucket's rows not yet satisfied."""
+    _, fraction, closeness = probe
+    fooled = survivors - int(live.sum())
+    share = min(1.0, fraction + PROBE_GAIN * fooled / survivors)
+    keep = min(_focus_size(sizes, share, survivors), int(live.sum()))
+    candidates = np.flatnonzero(live)
+    first = candidates[np.argsort(-closeness[rows[candidates]], kind="stable")[:(keep + 1) // 2]]
+    others = np.setdiff1d(candidates, first)
+    chosen = np.concatenate([first, others[np.argsort(-progress[others], kind="stable")]
+                             [:keep - first.size]])
     out = np.zeros_like(live)
     out[chosen] = True
     return out
 
 
-def _run_stage(b: _Batch, attack: Attack, *args, probe: tuple[int, int] | None = None
-               ) -> _Outcome:
+def _run_stage(b: _Batch, attack: Attack, *args,
+               probe: tuple[int, float, np.ndarray] | None = None) -> _Outcome:
     """Stage ``attack`` in the plan's segments (after a probe, if it has one), or whole: an
     attack whose goal is never satisfied (min-norm: a smaller distortion is always better) is
     never done early."""
@@ -342,10 +361,10 @@ def _run_stage(b: _Batch, attack: Attack, *args, probe: tuple[int, int] | None =
     return _whole_stage(b, attack, *args)
 
 
-def _focus_size(b: _Batch, fraction: float, survivors: int) -> int:
+def _focus_size(sizes: tuple[int, ...], fraction: float, survivors: int) -> int:
     """How many survivors a focus fraction keeps: the bucket size nearest to ``fraction *
     survivors`` (no padding rows; on average the stage costs what the fraction asks)."""
-    return min(_nearest_bucket(b.sizes, fraction * survivors), survivors)
+    return min(_nearest_bucket(sizes, fraction * survivors), survivors)
 
 
 def _stage_rows(b: _Batch, attack: Attack, order: np.ndarray, closeness: np.ndarray,
@@ -354,7 +373,7 @@ def _stage_rows(b: _Batch, attack: Attack, order: np.ndarray, closeness: np.ndar
     most promising, as many as :func:`_focus_size`; with a budget left, those the budget pays
     for, the least run first."""
     if fraction is not None and order.size:
-        keep = _focus_size(b, fraction, order.size)
+        keep = _focus_size(b.sizes, fraction, order.size)
         order = np.sort(order[np.argsort(-closeness[order], kind="stable")][:keep])
     cost = attack.gradients + attack.queries
     if left is not None and cost:
@@ -405,15 +424,14 @@ def cascade(plan: Plan, attacks: Sequence[Attack], apply_fn: Callable, params: A
     for k, attack in enumerate(attacks):
         probed = attack.name in probes  # focus after a probe, by the stage's own progress
         done, closeness = b.host(_status(best, eps, plan.goal, plan.threshold,
-                                         attack.name in focus and not probed))
+                                         attack.name in focus))
         survivors = np.flatnonzero(real & ~done)
         order = _stage_rows(b, attack, survivors, closeness,
                             None if probed else focus.get(attack.name), left, spent)
         if order.size == 0:
             stages.append(Stage(k, 0, 0, 0, 0, survivors.size))
             continue
-        probe = ((probes[attack.name], _focus_size(b, focus[attack.name], order.size))
-                 if probed else None)
+        probe = (probes[attack.name], focus[attack.name], closeness) if probed else None
         out = _run_stage(b, attack, k, order, best, *(r[k] for r in rows), probe=probe)
         best, rows = out.best, rows.set(k, out)
         ran = np.zeros(batch, bool)

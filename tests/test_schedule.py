@@ -18,7 +18,8 @@ from jaxbundle import goals as goals_lib
 from jaxbundle import suites
 from jaxbundle import Plan, evaluate
 from jaxbundle.bundler import _bundle, bundle, goals_for
-from jaxbundle.schedule import _nearest_bucket, bucket_sizes, cascade
+from jaxbundle.schedule import (PROBE_GAIN, _after_probe, _nearest_bucket, bucket_sizes,
+                                cascade)
 from toys import images, linear_apply, linear_problem, min_distance
 
 KEY = jax.random.key(7)
@@ -359,10 +360,12 @@ def test_focus_spends_a_stage_on_the_most_promising_survivors_only():
 
 
 def test_a_probe_ranks_survivors_by_the_stage_s_own_progress():
-    """With a probe, every survivor runs the stage's first ``probe`` steps; then only the
-    ``focus`` share with the most progress of the stage's own (the fraction of the clean margin
-    its best closed, computed here from a separate run of the probe's steps alone) goes on,
-    whatever the earlier stages' margins say; the others are charged the probe's queries."""
+    """With a probe, every survivor runs the stage's first ``probe`` steps; then a share of the
+    survivors goes on (the focus fraction plus PROBE_GAIN times the fraction the probe fooled,
+    to the nearest bucket): half of them the closest to the goal under the earlier stages, the
+    rest those with the most progress of the stage's own (the fraction of the clean margin its
+    best closed, computed here from a separate run of the probe's steps alone). The others are
+    charged the probe's queries."""
     params, x, y, eps = _problem(n=48, seed=3)
     probe, queries = 5, 21  # Square: 1 query at init, 1 per step
     square = lambda q: attacks_lib.square("linf", queries=q, p_init=0.8,  # noqa: E731
@@ -371,9 +374,10 @@ def test_a_probe_ranks_survivors_by_the_stage_s_own_progress():
     goals = goals_for(("misclassify",), atts)
     ids = jnp.arange(len(y), dtype=jnp.int32)
     res, stages = _cascade(atts, params, x, y, ids, eps, goal_names=goals,
-                           focus={"sq": 0.25}, probe={"sq": probe})
+                           focus={"sq": 0.1}, probe={"sq": probe})
     first, _ = _cascade(atts[:1], params, x, y, ids, eps, goal_names=goals)
     survivors = np.flatnonzero(~np.asarray(first.best["misclassify"].score.misclassified))
+    margin = np.asarray(first.best["misclassify"].score.margin)
     # The probe alone: the same Square, the same keys (index 1), stopped after `probe` steps
     # (no rescaled schedule, so its first steps are the long run's).
     short = _bundle(params, x, y, KEY, ids, jnp.full(y.shape, eps, jnp.float32),
@@ -384,9 +388,13 @@ def test_a_probe_ranks_survivors_by_the_stage_s_own_progress():
     progress = (own - start) / np.abs(start)
     fooled_in_probe = np.asarray(short.best["misclassify"].score.misclassified)
     left = np.setdiff1d(survivors, np.flatnonzero(fooled_in_probe))
-    keep = 12  # 0.25 * 43 survivors = 10.75: the nearest bucket of 48 in ratio is 12, not 9
-    assert survivors.size == 43 and stages[1].examples == 43
-    expected = np.sort(left[np.argsort(-progress[left], kind="stable")[:keep]])
+    share = 0.1 + PROBE_GAIN * (survivors.size - left.size) / survivors.size
+    assert survivors.size == 43 and stages[1].examples == 43 and 0 < share < 1
+    keep = _nearest_bucket(bucket_sizes(48), share * survivors.size)
+    closest = left[np.argsort(-margin[left], kind="stable")[:(keep + 1) // 2]]
+    others = np.setdiff1d(left, closest)
+    expected = np.sort(np.concatenate([
+        closest, others[np.argsort(-progress[others], kind="stable")[:keep - closest.size]]]))
     charged = np.asarray(res.queries)
     went_on = np.flatnonzero(charged > 1 + probe)
     np.testing.assert_array_equal(went_on, expected)
@@ -396,10 +404,32 @@ def test_a_probe_ranks_survivors_by_the_stage_s_own_progress():
                                   survivors)
     assert (charged[survivors] >= 1 + probe).all()
     assert set(np.flatnonzero(charged == 1 + probe)) == set(left) - set(expected)
-    # The earlier stage's margin would have chosen others: the probe is not that ranking.
-    margin = np.asarray(first.best["misclassify"].score.margin)
-    by_margin = np.sort(left[np.argsort(-margin[left], kind="stable")[:keep]])
-    assert not np.array_equal(by_margin, expected)
+    # Neither ranking alone would have chosen these.
+    for ranking in (margin, progress):
+        alone = np.sort(left[np.argsort(-ranking[left], kind="stable")[:keep]])
+        assert not np.array_equal(alone, expected)
+
+
+def test_after_a_probe_that_fools_survivors_more_of_the_stage_goes_on():
+    """The share after a probe is the focus fraction plus PROBE_GAIN times the fraction the
+    probe fooled: a black-box probe that fools survivors says the white-box stages were
+    misled, so more of the stage goes on; half by the earlier margin, half by progress."""
+    sizes = bucket_sizes(64)
+    rows = np.arange(40)  # bucket rows -> batch rows (here the identity)
+    closeness = -np.arange(40, dtype=float)  # row 0 the closest under the earlier stages
+    progress = np.arange(40, dtype=float)  # row 39 the most progress of its own
+    for fooled in (0, 1, 2):
+        live = np.ones(40, bool)
+        live[:fooled] = False  # the probe fooled these (the closest ones)
+        after = _after_probe(sizes, live, 40, (5, 0.1, closeness), progress, rows)
+        share = min(1.0, 0.1 + PROBE_GAIN * fooled / 40)
+        keep = min(_nearest_bucket(sizes, share * 40), 40 - fooled)
+        assert after.sum() == keep and not (after & ~live).any()
+        by_margin = np.arange(fooled, fooled + (keep + 1) // 2)
+        by_progress = np.arange(40 - (keep - by_margin.size), 40)
+        np.testing.assert_array_equal(np.flatnonzero(after),
+                                      np.union1d(by_margin, by_progress))
+    assert after.sum() == 38  # 2 of 40 fooled: the whole stage goes on
 
 
 @pytest.mark.parametrize(
