@@ -18,11 +18,15 @@ NAME`` runs exactly the plan ``plan(NAME, norm, eps)`` with the flags given appl
     The main job's, strongest for its cost, run as a cascade, each stage on the survivors of the
     ones before: APGD-CE (20 steps) on every example; APGD-CE again with 100 steps
     (``apgd-ce-long``) and APGD-T (``apgd-t5``: 5 targets x 40 steps), each on the more
-    promising half of the survivors (rounded to the nearest bucket size); then AutoAttack's
-    Square (``square-aa``: 5,000 queries, p_init 0.8), the score-based check against gradient
-    masking, on the 8 % most promising survivors (the plan's ``focus``: promise is the
-    smallest margin left by the stages before). Each stage runs in 6 segments, and an example
-    fooled in one stops there. How it compares with AutoAttack: benchmarks/README.md.
+    promising half of the survivors (rounded to the nearest bucket size); in L2, FAB-T with 3
+    targets x 50 steps (``fab-t3``) on every survivor (on the tuning set, AutoAttack's FAB-T
+    fooled most of what the APGD stages missed in L2); then AutoAttack's Square (``square-aa``:
+    5,000 queries, p_init 0.8), the score-based check against gradient masking: its first 5 %
+    (250 queries) on every survivor (the plan's ``probe``), then on 6 % of them, half the most
+    promising under the earlier stages and half those Square itself brought furthest, and on
+    more when the probe fools survivors (up to all: :data:`jaxbundle.schedule.PROBE_GAIN`).
+    Each stage runs in 6 segments, and an example fooled in one stops there. How it compares
+    with AutoAttack: benchmarks/README.md.
 ``broad``
     A many-attack table (run in full): the ``pgd`` bundle, FMN (100 steps, white-box minimum
     norm), Square (1,000 queries) and a decision-based minimum-norm attack with 1,000 queries
@@ -73,9 +77,9 @@ BUNDLES: dict[str, Bundle] = {
     "pgd": Bundle((_a("fgsm"), _a("pgd-ce", restarts=3), _a("pgd-margin", restarts=3))),
     "default": Bundle(
         (_a("apgd-ce", steps=20), _a("apgd-ce-long", steps=100), _a("apgd-t5", steps=40),
-         _a("square-aa", queries=5000)),
-        mode="cascade", focus=(("apgd-ce-long", 0.5), ("apgd-t5", 0.5), ("square-aa", 0.08)),
-        segments=6,
+         _a("fab-t3", ("l2",), steps=50), _a("square-aa", queries=5000)),
+        mode="cascade", focus=(("apgd-ce-long", 0.5), ("apgd-t5", 0.5), ("square-aa", 0.06)),
+        segments=6, probe=(("square-aa", 0.05),),
     ),
     "broad": Bundle((
         _a("fgsm"), _a("pgd-ce", restarts=3), _a("pgd-margin", restarts=3), _a("fmn"),

@@ -87,25 +87,26 @@ def _rate(text: str) -> float:
     return value
 
 
-def _probe(text: str) -> tuple[str, int]:
-    name, sep, steps = text.partition("=")
-    if sep and name.strip() and steps.strip().isdigit() and int(steps) > 0:
-        return name.strip(), int(steps)
-    raise argparse.ArgumentTypeError(
-        f"expected ATTACK=STEPS with STEPS a positive integer, got {text!r}")
-
-
-def _focus(text: str) -> tuple[str, float]:
+def _named_fraction(text: str, whole: bool) -> tuple[str, float]:
+    """``ATTACK=FRACTION`` with 0 < FRACTION <= 1 (``whole``) or < 1."""
     name, sep, fraction = text.partition("=")
     try:
         value = float(fraction)
     except ValueError:
         value = float("nan")
-    if not sep or not name.strip() or not 0 < value <= 1:
+    if not sep or not name.strip() or not (0 < value <= 1 if whole else 0 < value < 1):
         raise argparse.ArgumentTypeError(
-            f"expected ATTACK=FRACTION with 0 < FRACTION <= 1, got {text!r}"
+            f"expected ATTACK=FRACTION with 0 < FRACTION {'<=' if whole else '<'} 1, got {text!r}"
         )
     return name.strip(), value
+
+
+def _focus(text: str) -> tuple[str, float]:
+    return _named_fraction(text, whole=True)
+
+
+def _probe(text: str) -> tuple[str, float]:
+    return _named_fraction(text, whole=False)
 
 
 def _csv(text: str) -> list[str]:
@@ -214,10 +215,9 @@ def _threat_flags(ev: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         "(closest to the goal) first; repeatable; default: the bundle's own",
     )
     threat.add_argument(
-        "--probe", type=_probe, action="append", default=[], metavar="ATTACK=STEPS",
-        help="cascade: run ATTACK's first STEPS steps on every survivor, then its focus "
-        "fraction with the most progress of its own goes on; repeatable; default: the bundle's "
-        "own",
+        "--probe", type=_probe, action="append", default=[], metavar="ATTACK=FRACTION",
+        help="cascade: run that fraction of ATTACK's steps on every survivor, then its focus "
+        "share goes on, half by its own progress; repeatable; default: the bundle's own",
     )
     threat.add_argument(
         "--segments", type=_positive_int, default=None, metavar="N",

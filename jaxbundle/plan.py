@@ -81,7 +81,7 @@ class Plan:
     threshold: float | None = None
     budget: float | None = None
     focus: tuple[tuple[str, float], ...] = ()
-    probe: tuple[tuple[str, int], ...] = ()
+    probe: tuple[tuple[str, float], ...] = ()
     segments: int = 1
     batch_size: int = 250
     seed: int = 0
@@ -119,8 +119,9 @@ class Plan:
         return dict(self.focus)
 
     @property
-    def probe_map(self) -> dict[str, int]:
-        """``probe`` as a dict (attack name -> steps every survivor runs before focus)."""
+    def probe_map(self) -> dict[str, float]:
+        """``probe`` as a dict (attack name -> the fraction of its steps every survivor runs
+        before focus chooses: :func:`jaxbundle.schedule.probe_steps`)."""
         return dict(self.probe)
 
     def attack_values(self) -> tuple[Attack, ...]:
@@ -283,13 +284,16 @@ def _check_schedule(plan: Plan, attacks: tuple[Attack, ...]) -> None:
 def _check_probe(plan: Plan, attacks: tuple[Attack, ...]) -> None:
     steps = {a.name: a.num_steps for a in attacks}
     focus = plan.focus_map
-    for name, probe in plan.probe:
+    for name, fraction in plan.probe:
         if name not in focus:
             raise ValueError(f"probe of {name!r} decides which survivors its focus keeps: give "
                              f"{name!r} a focus fraction too")
-        if not _is_int(probe) or not 1 <= probe < steps[name]:
-            raise ValueError(f"probe of {name!r} must be a number of its steps in [1, "
-                             f"{steps[name]}), got {probe!r}")
+        if not _is_number(fraction) or not 0 < fraction < 1:
+            raise ValueError(f"probe of {name!r} must be a fraction of its steps in (0, 1), got "
+                             f"{fraction!r}")
+        if steps[name] < 2:
+            raise ValueError(f"probe of {name!r}: the attack has {steps[name]} step, and a "
+                             "probe needs 2 or more (the probe, then the rest)")
     if len({n for n, _ in plan.probe}) != len(plan.probe):
         raise ValueError(f"probe names an attack twice: {[n for n, _ in plan.probe]}")
 

@@ -64,7 +64,7 @@ from jaxbundle.bundler import BestState, BundleResult, _bundle, fold, glue_jit
 from jaxbundle.plan import Plan
 
 __all__ = [
-    "PROBE_GAIN", "Stage", "bucket_sizes", "cascade", "promise", "satisfied",
+    "PROBE_GAIN", "Stage", "bucket_sizes", "cascade", "probe_steps", "promise", "satisfied",
 ]
 
 # A probe's share grows by this many times the fraction of the survivors the probe itself
@@ -361,6 +361,12 @@ def _run_stage(b: _Batch, attack: Attack, *args,
     return _whole_stage(b, attack, *args)
 
 
+def probe_steps(attack: Attack, fraction: float) -> int:
+    """The steps of a probe of ``fraction`` of ``attack``'s steps: rounded, at least 1 and
+    fewer than all (the plan's check requires 2 steps or more)."""
+    return min(max(1, round(fraction * attack.num_steps)), attack.num_steps - 1)
+
+
 def _focus_size(sizes: tuple[int, ...], fraction: float, survivors: int) -> int:
     """How many survivors a focus fraction keeps: the bucket size nearest to ``fraction *
     survivors`` (no padding rows; on average the stage costs what the fraction asks)."""
@@ -431,7 +437,8 @@ def cascade(plan: Plan, attacks: Sequence[Attack], apply_fn: Callable, params: A
         if order.size == 0:
             stages.append(Stage(k, 0, 0, 0, 0, survivors.size))
             continue
-        probe = (probes[attack.name], focus[attack.name], closeness) if probed else None
+        probe = ((probe_steps(attack, probes[attack.name]), focus[attack.name], closeness)
+                 if probed else None)
         out = _run_stage(b, attack, k, order, best, *(r[k] for r in rows), probe=probe)
         best, rows = out.best, rows.set(k, out)
         ran = np.zeros(batch, bool)

@@ -72,6 +72,10 @@ ATTACKS: dict[str, Callable[..., Attack]] = {
     "fab-t": lambda norm, steps=None, restarts=None, step_size=None: attacks_lib.fab(
         norm, steps=steps or 100
     ),
+    # FAB-T with 3 target classes (AutoAttack's has 9), for a cheaper minimum-norm stage.
+    "fab-t3": lambda norm, steps=None, restarts=None, step_size=None: attacks_lib.fab(
+        norm, steps=steps or 100, targets=3, name="fab-t3"
+    ),
     "spsa": lambda norm, steps=None, restarts=None, step_size=None: attacks_lib.spsa(
         norm, steps=steps or 100
     ),

@@ -210,14 +210,14 @@ def test_two_processes_give_the_one_process_report(tmp_path):
 @pytest.mark.slow
 def test_default_bundle_runs_as_a_focused_cascade(tmp_path, capsys):
     """The main job's default bundle: APGD-CE, then APGD-CE 100 and APGD-T on the more
-    promising half of the survivors, Square only on the most promising 8 %, reported stage
-    by stage."""
+    promising half of the survivors, Square probed on every survivor and then on its share,
+    reported stage by stage."""
     out = tmp_path / "report"
     argv = ["evaluate", *TINY, "--models", "adversarial", "--no-shifts", "--queries", "300",
             "--out", str(out)]
     assert main(argv) == 0
     report = json.loads((out / "report.json").read_text())
-    focus = {"apgd-ce-long": 0.5, "apgd-t5": 0.5, "square-aa": 0.08}
+    focus = {"apgd-ce-long": 0.5, "apgd-t5": 0.5, "square-aa": 0.06}
     plan = report["config"]["plan"]
     assert plan["bundle"] == "default" and plan["schedule"]["mode"] == "cascade"
     assert plan["schedule"]["focus"] == focus
@@ -235,7 +235,7 @@ def test_default_bundle_runs_as_a_focused_cascade(tmp_path, capsys):
         ok = pe["clean_prediction"] == pe["label"]
         ran = pe["attack_step"] != -2
         focused = 0  # batches where focus had survivors to leave out
-        for k, fraction in ((1, 0.5), (2, 0.5), (3, 0.08)):
+        for k, fraction in ((1, 0.5), (2, 0.5)):
             before = ok & ~pe["attack_success"][:, :k].any(1)
             assert not (ran[:, k] & ~before).any(), k
             assert stages[k]["examples"] == ran[:, k].sum(), k
@@ -248,8 +248,15 @@ def test_default_bundle_runs_as_a_focused_cascade(tmp_path, capsys):
                 assert r == n or r in (1, 2, 3, 4, 6, 8, 12, 16), (k, n, r)
                 assert 2 ** -0.5 <= r / max(fraction * n, 1) <= 2 ** 0.5, (k, n, r)
         assert focused >= 2
-        assert (pe["queries"] > 0).sum() == stages[3]["examples"]
+        # Square: its probe (5 % of its 299 steps: 15, plus the first query) on every
+        # survivor, then its share went on; those it neither fooled nor kept were cut.
+        before = ok & ~pe["attack_success"][:, :3].any(1)
+        np.testing.assert_array_equal(ran[:, 3], before)
+        assert (pe["queries"] > 0).sum() == stages[3]["examples"] == before.sum()
         assert set(pe["queries"][ran[:, 3]]) <= set(range(1, 301))
+        cut = before & (pe["queries"] == 16) & ~pe["attack_success"][:, 3]
+        assert stages[3]["cut"] == cut.sum() > 0
+        assert (pe["queries"][before & ~cut & ~pe["attack_success"][:, 3]] == 300).all()
     assert m["robust_accuracy"] == stages[-1]["robust_accuracy"]
     assert "square-aa" in capsys.readouterr().out
 

@@ -107,7 +107,8 @@ def test_a_named_bundle_carries_its_schedule():
     plan = bundles.default("linf", 0.3)
     assert plan == bundles.plan("default", "linf", 0.3) and plan.bundle == "default"
     assert (plan.mode, plan.segments) == ("cascade", 6)
-    assert plan.focus_map == {"apgd-ce-long": 0.5, "apgd-t5": 0.5, "square-aa": 0.08}
+    assert plan.focus_map == {"apgd-ce-long": 0.5, "apgd-t5": 0.5, "square-aa": 0.06}
+    assert plan.probe_map == {"square-aa": 0.05}
     assert [a.name for a in plan.attack_values()] == ["apgd-ce", "apgd-ce-long", "apgd-t5",
                                                       "square-aa"]
     assert bundles.autoattack("l2", 0.5).mode == "cascade"

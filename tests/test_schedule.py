@@ -374,7 +374,7 @@ def test_a_probe_ranks_survivors_by_the_stage_s_own_progress():
     goals = goals_for(("misclassify",), atts)
     ids = jnp.arange(len(y), dtype=jnp.int32)
     res, stages = _cascade(atts, params, x, y, ids, eps, goal_names=goals,
-                           focus={"sq": 0.1}, probe={"sq": probe})
+                           focus={"sq": 0.1}, probe={"sq": probe / (queries - 1)})
     first, _ = _cascade(atts[:1], params, x, y, ids, eps, goal_names=goals)
     survivors = np.flatnonzero(~np.asarray(first.best["misclassify"].score.misclassified))
     margin = np.asarray(first.best["misclassify"].score.margin)
@@ -433,18 +433,19 @@ def test_after_a_probe_that_fools_survivors_more_of_the_stage_goes_on():
 
 
 @pytest.mark.parametrize(
-    "probe, message",
+    "probe, focus, message",
     [
-        ({"sq": 0}, "steps in [1, 40)"),
-        ({"sq": 40}, "steps in [1, 40)"),
-        ({"sq": 2.5}, "steps in [1, 40)"),
-        ({"fgsm": 1}, "give 'fgsm' a focus fraction too"),
+        ({"sq": 0}, {"sq": 0.5}, "fraction of its steps in (0, 1)"),
+        ({"sq": 1.0}, {"sq": 0.5}, "fraction of its steps in (0, 1)"),
+        ({"sq": True}, {"sq": 0.5}, "fraction of its steps in (0, 1)"),
+        ({"fgsm": 0.5}, {"sq": 0.5}, "give 'fgsm' a focus fraction too"),
+        ({"fgsm": 0.5}, {"fgsm": 0.5}, "the attack has 1 step"),
     ],
 )
-def test_bad_probe_is_one_clear_error(probe, message):
+def test_bad_probe_is_one_clear_error(probe, focus, message):
     plan = Plan(eps=0.1, attacks=(attacks_lib.fgsm(), attacks_lib.square("linf", queries=41,
                                                                          name="sq")),
-                goals=("misclassify",), mode="cascade", focus={"sq": 0.5}, probe=probe)
+                goals=("misclassify",), mode="cascade", focus=focus, probe=probe)
     with pytest.raises(ValueError, match=re.escape(message)):
         plan.check()
     with pytest.raises(ValueError, match=re.escape("needs mode='cascade'")):

@@ -254,6 +254,8 @@ def run(args, candidates: list[tuple[str, dict]], log: Callable[[str], None]) ->
         apply_fn, params, x, y, net = load(setting, args.n)
         for norm in args.norms.split(","):
             for eps in setting.eps.get(norm, ()):
+                if args.eps and not any(abs(eps - float(e)) < 1e-4 for e in args.eps.split(",")):
+                    continue
                 label = f"{setting.model} {norm} {eps:.4f}"
                 screen = _screen(apply_fn, params, x, y, eps, norm)
                 if screen < 2:
@@ -289,6 +291,7 @@ def main(argv=None) -> None:
     parser.add_argument("--set", choices=tuple(SETS), required=True)
     parser.add_argument("--models", default=None, help="comma-separated; default: the set's")
     parser.add_argument("--norms", default="linf,l2")
+    parser.add_argument("--eps", default=None, help="comma-separated: only these of the grid")
     parser.add_argument("--bundles", default="default", help="named bundles, comma-separated")
     parser.add_argument("--variants", default=None, metavar="JSONL")
     parser.add_argument("--n", type=int, default=256)
