@@ -247,10 +247,10 @@ def _screen(apply_fn, params, x, y, eps, norm) -> float:
 
 
 def run(args, candidates: list[tuple[str, dict]], log: Callable[[str], None]) -> None:
-    wanted = set(args.models.split(",")) if args.models else None
-    for setting in SETS[args.set]:
-        if wanted and setting.model not in wanted:
-            continue
+    settings = {s.model: s for s in SETS[args.set]}
+    for name in (args.models.split(",") if args.models else settings):
+        setting = settings[name]
+        jax.clear_caches()  # a long run compiles many programs: keep the process's maps few
         apply_fn, params, x, y, net = load(setting, args.n)
         for norm in args.norms.split(","):
             for eps in setting.eps.get(norm, ()):
@@ -289,7 +289,8 @@ def run(args, candidates: list[tuple[str, dict]], log: Callable[[str], None]) ->
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--set", choices=tuple(SETS), required=True)
-    parser.add_argument("--models", default=None, help="comma-separated; default: the set's")
+    parser.add_argument("--models", default=None,
+                        help="comma-separated, run in this order; default: the set's")
     parser.add_argument("--norms", default="linf,l2")
     parser.add_argument("--eps", default=None, help="comma-separated: only these of the grid")
     parser.add_argument("--bundles", default="default", help="named bundles, comma-separated")
