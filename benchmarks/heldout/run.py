@@ -103,11 +103,12 @@ def load(setting: Setting, n: int):
         y = np.asarray(sample.y)[setting.start:]
         net = torch_network(params)
     else:
+        import torch_copy
         import zoo
 
         apply_fn, params = zoo.load(setting.model)
         x, y = zoo.dataset(setting.data, "test", start=setting.start, n=n)
-        net = zoo.torch_network(setting.model, params)
+        net = torch_copy.torch_network(setting.model, params)
     import torch
 
     with torch.no_grad():

@@ -10,14 +10,13 @@ file that is committed before any evaluation:
   ``nn.Conv``, ``nn.BatchNorm``) taking ``[B, H, W, C]`` in ``[0, 1]`` to logits ``[B, 10]``;
 * :func:`train`: Adam with cosine decay, batch 128, and one of four recipes (standard, PGD Linf,
   PGD L2, TRADES) with eps warmed up over the first 30 % of the steps;
-* :data:`ZOO` and :func:`load`: the nine models by name, trained once and cached on disk;
-* :func:`torch_network` and :func:`check_torch_copy`: the same functions in torch (for
-  AutoAttack from torchattacks), checked logit by logit against the JAX models.
+* :data:`ZOO` and :func:`load`: the nine models by name, trained once and cached on disk.
 
-Run as a script::
+The training-time attacks are in ``training_attacks.py``, the torch copies of the models (for
+AutoAttack from torchattacks) in ``torch_copy.py``. Run as a script::
 
     python benchmarks/heldout/zoo.py --train all           # trains and caches the nine models
-    python benchmarks/heldout/zoo.py --check-torch          # needs torch (a benchmark venv)
+    python benchmarks/heldout/torch_copy.py --models all   # needs torch (a benchmark venv)
 
 This is benchmark code: the library (``jaxbundle``) knows nothing about it.
 """
@@ -42,7 +41,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxbundle import files, losses, norms
+from training_attacks import kl_divergence, pgd_examples, trades_examples  # noqa: F401
+
+from jaxbundle import files, losses
 from jaxbundle.data import load_mnist_sample
 
 # Part of every cache key: bump it whenever the data, the architectures or the training code
@@ -250,85 +251,6 @@ def init_variables(arch: str, example_shape: tuple[int, ...], seed: int) -> Vari
     """
     dummy = jnp.zeros((1,) + tuple(example_shape), jnp.float32)
     return jax.jit(module_for(arch).init)(jax.random.PRNGKey(seed), dummy)
-
-
-# ------------------------------------------------------------------------ adversarial examples
-
-
-def _step_size(eps: jax.Array, steps: int) -> jax.Array:
-    """PGD's step: 2.5 * eps / steps (Madry et al. 2018), enough to cross the ball and back."""
-    return 2.5 * eps / steps
-
-
-def _ascend(
-    loss: Callable[[jax.Array], jax.Array],
-    x: jax.Array,
-    start: jax.Array,
-    eps: jax.Array,
-    steps: int,
-    norm: str,
-) -> jax.Array:
-    """``steps`` steepest-ascent steps on ``sum(loss(xa))`` from ``start``, each a
-    ``norm``-normalised gradient step followed by the projection onto the eps ball around
-    ``x`` and the box ``[0, 1]``."""
-    grad = jax.grad(lambda xa: jnp.sum(loss(xa)))
-    size = _step_size(eps, steps)
-
-    def body(_: int, xa: jax.Array) -> jax.Array:
-        xa = xa + size * norms.normalize(grad(xa), norm)
-        return norms.project(xa, x, eps, norm)
-
-    # Unrolled: on XLA:CPU a rolled loop runs the convolutions several times slower.
-    xa = jax.lax.fori_loop(0, steps, body, norms.project(start, x, eps, norm), unroll=True)
-    return jax.lax.stop_gradient(xa)
-
-
-def pgd_examples(
-    logits_fn: Callable[[jax.Array], jax.Array],
-    x: jax.Array,
-    y: jax.Array,
-    key: jax.Array,
-    eps: float | jax.Array,
-    steps: int,
-    norm: str,
-) -> jax.Array:
-    """Untargeted PGD on the cross-entropy (Madry et al. 2018), for adversarial training.
-
-    Starts at a uniform random point of the ``norm`` ball (``"linf"`` or ``"l2"``) and takes
-    ``steps`` steps of 2.5 * eps / steps: signed-gradient steps for Linf, normalised-gradient
-    steps for L2, each projected onto the ball and the box. ``logits_fn(x) -> [B, 10]`` is the
-    model with its weights fixed. Returns images inside the eps ball around ``x`` and ``[0, 1]``.
-    """
-    eps = jnp.asarray(eps, x.dtype)
-    keys = jax.random.split(key, x.shape[0])
-    start = norms.random_start(keys, x, jnp.broadcast_to(eps, x.shape[:1]), norm)
-    return _ascend(lambda xa: losses.cross_entropy(logits_fn(xa), y), x, start, eps, steps, norm)
-
-
-def kl_divergence(p_logits: jax.Array, q_logits: jax.Array) -> jax.Array:
-    """Per example ``KL(softmax(p_logits) || softmax(q_logits))`` ``[B]``."""
-    log_p = jax.nn.log_softmax(p_logits, axis=-1)
-    log_q = jax.nn.log_softmax(q_logits, axis=-1)
-    return jnp.sum(jnp.exp(log_p) * (log_p - log_q), axis=-1)
-
-
-def trades_examples(
-    logits_fn: Callable[[jax.Array], jax.Array],
-    x: jax.Array,
-    key: jax.Array,
-    eps: float | jax.Array,
-    steps: int,
-) -> jax.Array:
-    """TRADES' inner maximisation (Zhang et al. 2019): Linf PGD on
-    ``KL(softmax f(x) || softmax f(x'))`` from ``x' = x + 0.001 * N(0, 1)``.
-
-    The start is a hair away from ``x`` because the KL's gradient vanishes at ``x' = x``.
-    Steps of 2.5 * eps / steps, projected onto the Linf ball and the box; labels are not used.
-    """
-    eps = jnp.asarray(eps, x.dtype)
-    clean = jax.lax.stop_gradient(logits_fn(x))
-    start = x + 0.001 * jax.random.normal(key, x.shape, x.dtype)
-    return _ascend(lambda xa: kl_divergence(clean, logits_fn(xa)), x, start, eps, steps, "linf")
 
 
 # ------------------------------------------------------------------------------------ training
@@ -598,97 +520,10 @@ def metadata(name: str) -> dict:
     return json.loads(cache_path(name).with_suffix(".json").read_text())
 
 
-# --------------------------------------------------------------------------------- torch copy
-
-
-def same_padding(size: int, kernel: int, stride: int) -> tuple[int, int]:
-    """flax/XLA 'SAME' padding of one spatial axis: ``(low, high)``, the extra pixel (if the
-    total is odd) at the high end, unlike torch's symmetric ``padding=``."""
-    out = -(-size // stride)
-    total = max((out - 1) * stride + kernel - size, 0)
-    return total // 2, total - total // 2
-
-
-def torch_network(name: str, variables: Variables):
-    """Zoo model ``name`` with ``variables`` as a torch module in eval mode, on NCHW input in
-    ``[0, 1]``: the same logits (convolutions padded as flax pads them, flattened in NHWC
-    order, BatchNorm on the running averages with epsilon 1e-5)."""
-    import torch
-    import torch.nn.functional as F
-
-    arch = ZOO[name].arch if name in ZOO else name
-    params = jax.tree.map(np.asarray, variables["params"])
-    stats = jax.tree.map(np.asarray, variables.get("batch_stats", {}))
-
-    def t(a: np.ndarray):
-        return torch.tensor(np.ascontiguousarray(a), dtype=torch.float32)
-
-    def conv(x, p, stride=1):
-        w = t(p["kernel"].transpose(3, 2, 0, 1))  # HWIO -> OIHW
-        (ht, hb), (wl, wr) = (same_padding(x.shape[d], w.shape[d], stride) for d in (2, 3))
-        b = t(p["bias"]) if "bias" in p else None
-        return F.conv2d(F.pad(x, (wl, wr, ht, hb)), w, b, stride=stride)
-
-    def bn(x, p, s):
-        return F.batch_norm(x, t(s["mean"]), t(s["var"]), t(p["scale"]), t(p["bias"]),
-                            training=False, eps=1e-5)
-
-    def dense(x, p):
-        return F.linear(x, t(p["kernel"].T), t(p["bias"]))
-
-    def flatten_nhwc(x):
-        return x.permute(0, 2, 3, 1).reshape(x.shape[0], -1)
-
-    def mlp(x):
-        x = flatten_nhwc(x)
-        for i in range(len(MLP.hidden)):
-            x = F.relu(dense(x, params[f"dense{i}"]))
-        return dense(x, params["logits"])
-
-    def cnn(x):
-        x = F.relu(conv(x, params["conv1"], 2))
-        x = F.relu(conv(x, params["conv2"], 2))
-        x = F.relu(dense(flatten_nhwc(x), params["hidden"]))
-        return dense(x, params["logits"])
-
-    def block(x, p, s, stride):
-        h = F.relu(bn(conv(x, p["conv1"], stride), p["bn1"], s["bn1"]))
-        h = bn(conv(h, p["conv2"]), p["bn2"], s["bn2"])
-        if "shortcut_conv" in p:
-            x = bn(conv(x, p["shortcut_conv"], stride), p["shortcut_bn"], s["shortcut_bn"])
-        return F.relu(h + x)
-
-    def resnet(x):
-        x = F.relu(bn(conv(x, params["stem_conv"]), params["stem_bn"], stats["stem_bn"]))
-        for i, (_, stride) in enumerate(RESNET_STAGES):
-            x = block(x, params[f"block{i}"], stats[f"block{i}"], stride)
-        return dense(x.mean(dim=(2, 3)), params["logits"])
-
-    forward = {"mlp": mlp, "cnn": cnn, "resnet": resnet}[arch]
-
-    class Net(torch.nn.Module):
-        def forward(self, x):  # NCHW in [0, 1]
-            return forward(x)
-
-    return Net().eval()
-
-
-def check_torch_copy(name: str, apply_fn: ApplyFn, variables: Variables, x: np.ndarray
-                     ) -> float:
-    """Largest absolute gap between the JAX logits and the torch copy's on images ``x``
-    (NHWC); the copy is good when it is far below the logits' scale (under 1e-3)."""
-    import torch
-
-    net = torch_network(name, variables)
-    with torch.no_grad():
-        ours = net(torch.tensor(np.ascontiguousarray(x.transpose(0, 3, 1, 2)))).numpy()
-    return float(np.max(np.abs(ours - np.asarray(apply_fn(variables, jnp.asarray(x))))))
-
-
 # -------------------------------------------------------------------------------------- script
 
 
-def _names(arg: str) -> list[str]:
+def names(arg: str) -> list[str]:
     """``"all"`` or a comma list of zoo names, checked."""
     names = list(ZOO) if arg == "all" else [n.strip() for n in arg.split(",") if n.strip()]
     unknown = [n for n in names if n not in ZOO]
@@ -699,28 +534,17 @@ def _names(arg: str) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     """``--train NAMES``: train (or load) and print held-out clean accuracy and training
-    seconds; ``--check-torch``: print the torch copies' largest logit gaps."""
+    seconds (the torch copies' check: ``torch_copy.py``)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--train", default=None, help="'all' or a comma list of zoo models")
-    parser.add_argument("--check-torch", action="store_true",
-                        help="compare the torch copies' logits (needs torch)")
+    parser.add_argument("--train", default="all", help="'all' or a comma list of zoo models")
     args = parser.parse_args(argv)
-    if args.train is None and not args.check_torch:
-        parser.error("nothing to do: give --train and/or --check-torch")
-    names = _names(args.train or "all")
-    worst = 0.0
-    for name in names:
+    for name in names(args.train):
         spec = ZOO[name]
         apply_fn, variables = load(name)
         x, y = dataset(spec.data, "test", start=EVAL_START, n=EVAL_N)
-        line = (f"{name:14s} {spec.data:13s} clean {accuracy(apply_fn, variables, x, y):6.1%}"
-                f"  trained in {metadata(name)['train_seconds']:7.1f} s")
-        if args.check_torch:
-            gap = check_torch_copy(name, apply_fn, variables, x)
-            worst = max(worst, gap)
-            line += f"  torch logit gap {gap:.2e}"
-        print(line, flush=True)
-    return 1 if worst >= 1e-3 else 0
+        print(f"{name:14s} {spec.data:13s} clean {accuracy(apply_fn, variables, x, y):6.1%}"
+              f"  trained in {metadata(name)['train_seconds']:7.1f} s", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
