@@ -31,6 +31,13 @@ attack with thousands of queries, is then spent where it can still succeed; the 
 discarded, so focus trades the exactness above for compute, and which survivors are kept
 depends on the batch they are ranked in.
 
+With ``probe`` (attack name -> a fraction of its steps), a focused stage is not chosen by the
+stages before it: every survivor runs the probe's steps, then the focus share goes on (plus
+:data:`PROBE_GAIN` times the fraction the probe itself fooled, up to all), half of it the
+most promising under the earlier stages and half the rows whose own best closed the largest
+fraction of their clean margin. A black-box stage, the check against gradients that mislead
+the white-box stages, is then not starved by the white-box margin it exists to doubt.
+
 With ``budget`` (model passes per example, averaged over the batch), a stage that cannot be
 paid for every survivor runs on the survivors that have had the least compute so far (the
 paper's least-run-first rule), the others wait for the next stage.

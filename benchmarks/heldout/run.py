@@ -287,9 +287,28 @@ def run(args, candidates: list[tuple[str, dict]], log: Callable[[str], None]) ->
                                 **row}) + "\n")
 
 
+def markdown(rows: list[dict]) -> str:
+    """The rows of ``--out`` files as the table of benchmarks/README.md, one line per setting
+    and candidate (settings outside AutoAttack's [2 %, 95 %] marked as not reported)."""
+    lines = ["| model (data) | norm, eps | AutoAttack % (passes/ex, s) | candidate | robust % | "
+             "missed (by AA attack) / extra | passes ratio | warm ratio |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        aa, by = r["autoattack"], {k: v for k, v in r["missed_by_aa_attack"].items() if v}
+        eps = f"{round(r['eps'] * 255)}/255" if r["norm"] == "linf" else f"{r['eps']:g}"
+        warm = "" if r["seconds_warm"] is None else f"{r['warm_ratio']:.3f}"
+        lines.append(
+            f"| {r['model']} ({r['data']}) | {r['norm']} {eps}"
+            f"{'' if r['reported'] else ' (not reported)'} | {aa['robust_accuracy']:.1f} "
+            f"({aa['passes_per_example']:.0f}, {aa['seconds']:.0f}) | {r['candidate']} | "
+            f"{r['robust_accuracy']:.1f} | {r['missed']} {by or ''} / {r['extra']} | "
+            f"{r['passes_ratio']:.3f} | {warm} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--set", choices=tuple(SETS), required=True)
+    parser.add_argument("--set", choices=tuple(SETS), default="heldout")
     parser.add_argument("--models", default=None,
                         help="comma-separated, run in this order; default: the set's")
     parser.add_argument("--norms", default="linf,l2")
@@ -301,7 +320,13 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--aa-cache", default=None, metavar="DIR")
     parser.add_argument("--out", default=None, metavar="JSONL")
+    parser.add_argument("--table", default=None, metavar="JSONL",
+                        help="print the markdown table of an --out file and exit")
     args = parser.parse_args(argv)
+    if args.table:
+        with open(args.table) as f:
+            print(markdown([json.loads(line) for line in f if line.strip()]))
+        return
     import torch
 
     torch.set_num_threads(args.threads)
