@@ -64,7 +64,7 @@ class Bundle(NamedTuple):
     mode: str = "full"
     focus: tuple[tuple[str, float], ...] = ()
     segments: int = 1
-    probe: tuple[tuple[str, int], ...] = ()
+    probe: tuple[tuple[str, float], ...] = ()
 
 
 def _a(name: str, only: tuple[str, ...] | None = None, **budget: int):

@@ -291,13 +291,13 @@ def _segmented_stage(b: _Batch, attack: Attack, k: int, order: np.ndarray, best,
     live[order.size:] = False
     t = 0
     while True:
-        t1 = min(t + (probe[0] if probe and t == 0 else length), attack.num_steps)
+        probing = probe is not None and t == 0
+        t1 = min(t + (probe[0] if probing else length), attack.num_steps)
         x, y, _, eps = sub
         running = bundler.step_stage(b.params, running, x, y, eps, jnp.int32(t), jnp.int32(t1),
                                      **static)
         steps[rows[live]] = t1
         row_steps += rows.size * (t1 - t)
-        probing = probe is not None and t == 0
         t = t1
         last = t == attack.num_steps
         judged = bundler.judge_stage(
