@@ -434,7 +434,6 @@ def glue_jit(fun=None, **jit_kwargs):
 
 
 _STAGE_STATIC = ("apply_fn", "attack", "index", "goal_names", "norm", "judging", "restart_mode")
-_JUDGE_STATIC = (*_STAGE_STATIC, "last")
 
 
 @glue_jit(static_argnames=_STAGE_STATIC)
@@ -457,16 +456,21 @@ def step_stage(params, running, x, y, eps, t0, t1, *, apply_fn, attack, index, g
                          restart_mode)
 
 
-@glue_jit(static_argnames=_JUDGE_STATIC)
-def judge_stage(params, running, x, y, eps, t, *, apply_fn, attack, index, goal_names, norm,
-                judging, restart_mode, last) -> tuple:
+@glue_jit(static_argnames=_STAGE_STATIC)
+def judge_stage(params, running, x, y, eps, t, last, *, apply_fn, attack, index, goal_names,
+                norm, judging, restart_mode) -> tuple:
     """A stage's verified bests after ``t`` steps, as :func:`_bundle` judges an attack's:
     ``(best per goal, success [B], smallest distortion [B], best step [B], still improving
-    [B])``; the current iterate is evaluated only after the ``last`` step."""
+    [B])``; the current iterate is evaluated only after the ``last`` step (a traced bool, so
+    one program judges every segment)."""
     x, y, eps, grid, model = _setup(params, x, y, eps, apply_fn, norm, judging, running.keys)
-    found = _attack_best(attack, index, model, x, y, eps, norm, goal_names, running, t,
-                         restart_mode, iterate=last)
-    improving = still_improving(attack, running) if last else jnp.zeros(y.shape, bool)
+
+    def best(iterate):
+        return lambda: _attack_best(attack, index, model, x, y, eps, norm, goal_names, running,
+                                    t, restart_mode, iterate=iterate)
+
+    found = jax.lax.cond(last, best(True), best(False))
+    improving = last & still_improving(attack, running)
     return _judged(attack, found, model, x, y, eps, norm, grid, running.clean, goal_names,
                    improving)
 

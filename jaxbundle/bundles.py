@@ -18,7 +18,7 @@ NAME`` runs exactly the plan ``plan(NAME, norm, eps)`` with the flags given appl
     The main job's, strongest for its cost, run as a cascade, each stage on the survivors of the
     ones before: APGD-CE (20 steps) on every example; APGD-CE again with 100 steps
     (``apgd-ce-long``) and APGD-T (``apgd-t5``: 5 targets x 40 steps), each on the more
-    promising half of the survivors (rounded to the nearest bucket size); in L2, FAB-T with 3
+    promising half of the survivors (rounded as :mod:`jaxbundle.schedule` says); in L2, FAB-T with 3
     targets x 50 steps (``fab-t3``) on every survivor (on the tuning set, AutoAttack's FAB-T
     fooled most of what the APGD stages missed in L2); then AutoAttack's Square (``square-aa``:
     5,000 queries, p_init 0.8), the score-based check against gradient masking: its first 5 %

@@ -148,22 +148,34 @@ class _Run(NamedTuple):
         return Setting.of(self.model.attacks, self.model.goal_names)
 
 
+def balanced_batch(batch_size: int, n: int, devices: int = 1) -> int:
+    """The batch size a run of ``n`` examples uses under a plan's ``batch_size``: as many
+    batches as ``batch_size`` needs, of about equal size, rounded up to a multiple of the
+    largest power of two dividing ``batch_size`` (so the same on one CPU and on any
+    power-of-two mesh that divides the batch size; ``batch_size`` itself where ``devices``
+    does not divide that). Every batch then has the same bucket sizes and about the same
+    survivors, so the programs compiled for the first batch serve the others; a small last
+    batch (250 + 6 for 256 examples) would compile a cascade's every stage again at its own
+    sizes."""
+    grain = batch_size & -batch_size  # the largest power of two dividing it
+    size = min(batch_size, -(-(-(-n // -(-n // batch_size))) // grain) * grain)
+    return size if size % devices == 0 else batch_size
+
+
 def _start(apply_fn, params, source, plan, mesh) -> _Run:
-    """The run of ``plan`` on ``source``: the model adapted, the batch size as run (at most the
-    dataset without a mesh), params replicated over the mesh."""
+    """The run of ``plan`` on ``source``: the model adapted, the batch size as run
+    (:func:`balanced_batch`), params replicated over the mesh."""
     apply_fn, attacks = for_model(plan, apply_fn)
     if len(source) == 0:
         raise ValueError(f"the dataset {source.name} is empty")
     if mesh == "auto":
         mesh = default_mesh()
     sharding = None
-    if mesh is None:
-        plan = plan.replace(batch_size=min(plan.batch_size, len(source)))
-    else:
-        devices = mesh.devices.size
-        if plan.batch_size % devices:
-            raise ValueError(f"batch_size {plan.batch_size} must be a multiple of {devices} "
-                             "devices")
+    devices = 1 if mesh is None else mesh.devices.size
+    if plan.batch_size % devices:
+        raise ValueError(f"batch_size {plan.batch_size} must be a multiple of {devices} devices")
+    plan = plan.replace(batch_size=balanced_batch(plan.batch_size, len(source), devices))
+    if mesh is not None:
         sharding = NamedSharding(mesh, PartitionSpec("batch"))
         _local_rows_match(sharding, plan.batch_size, source.shape)
         params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))

@@ -23,8 +23,9 @@ it ran. What it does not give is the many-attack table: attack ``k`` saw only th
 attacks ``1..k-1``. Its ``attack_success[k]`` is False where attack ``k`` did not run.
 
 With ``focus`` (attack name -> fraction), that attack runs only on the most promising part of
-the survivors, ``fraction * survivors`` of them rounded to the nearest bucket size (in ratio;
-all survivors if they are fewer), so that no padding row is computed: those closest to the goal
+the survivors, ``fraction * survivors`` of them rounded to the nearest bucket size (in ratio)
+and then up to a halving of the batch (all survivors if they are fewer), so that no padding
+row is computed and a sweep over eps meets the same few shapes: those closest to the goal
 under the best candidates so far (misclassify: the largest margin ``max_{j != y} z_j - z_y``;
 max confidence: the highest wrong-class confidence). An expensive last stage, such as a black-box
 attack with thousands of queries, is then spent where it can still succeed; the others are
@@ -95,19 +96,20 @@ class Stage(NamedTuple):
     cut: int = 0  # of ``examples``, those a probe stopped after its steps (focus kept the rest)
 
 
-def bucket_sizes(batch_size: int, multiple: int = 1) -> tuple[int, ...]:
-    """The compacted batch sizes a cascade may use, largest first: ``batch_size`` times
-    1, 3/4, 1/2, 3/8, 1/4, 3/16, ... (rounded down, then up to a multiple of ``multiple``, the
-    device count), down to ``multiple``. Padding wastes under a third of a bucket (under a half
-    with halves alone), at two compiled shapes per halving."""
-    sizes, scale = set(), 1.0
+def bucket_sizes(batch_size: int, multiple: int = 1, per_halving: int = 2) -> tuple[int, ...]:
+    """The compacted batch sizes a cascade may use, largest first: ``batch_size`` halved again
+    and again (rounded up), each with its 3/4 (rounded down) when ``per_halving=2``: 1, 3/4,
+    1/2, 3/8, 1/4, ..., then up to a multiple of ``multiple`` (the device count), down to
+    ``multiple``. Padding wastes under a third of a bucket (under a half with halves alone);
+    the halves are among the sizes with both."""
+    sizes, half = set(), batch_size
     while True:
-        for ratio in (1.0, 0.75):
-            size = max(multiple, -(-int(batch_size * scale * ratio) // multiple) * multiple)
+        for ratio in (1.0, 0.75)[:per_halving]:
+            size = max(multiple, -(-int(half * ratio) // multiple) * multiple)
             sizes.add(min(size, batch_size))
-        if size == multiple:
+        if half <= multiple:
             return tuple(sorted(sizes, reverse=True))
-        scale /= 2
+        half = -(-half // 2)
 
 
 def _bucket(sizes: tuple[int, ...], rows: int) -> int:
@@ -210,6 +212,8 @@ class _Batch(NamedTuple):
     eps_aimed: jax.Array  # [B] the radius the attacks aim at (on the grid: whole levels)
     goal_names: tuple[str, ...]
     sizes: tuple[int, ...]  # bucket sizes
+    halves: tuple[int, ...]  # the sizes focus keeps and a stage mid-run compacts to: one per
+    #   halving, so that a sweep over eps, whose survivors differ, meets the same few shapes
     host: Callable[[Any], Any]  # reads device arrays on the host
 
 
@@ -300,9 +304,8 @@ def _segmented_stage(b: _Batch, attack: Attack, k: int, order: np.ndarray, best,
         row_steps += rows.size * (t1 - t)
         t = t1
         last = t == attack.num_steps
-        judged = bundler.judge_stage(
-            b.params, running, x, y, eps, jnp.int32(t), last=last, **static
-        )
+        judged = bundler.judge_stage(b.params, running, x, y, eps, jnp.int32(t), jnp.bool_(last),
+                                     **static)
         ranks = _progress(judged[0], running.clean.score, b.plan.goal) if probing else None
         # A row that stopped earlier keeps its result: its repeats here merge the same values.
         keep = _padded(np.flatnonzero(live), rows.size) if not live.all() else None
@@ -321,11 +324,11 @@ def _segmented_stage(b: _Batch, attack: Attack, k: int, order: np.ndarray, best,
         live &= ~done[rows]
         if probing:
             before = int(live.sum())
-            live = _after_probe(b.sizes, live, order.size, probe, b.host(ranks), rows)
+            live = _after_probe((b.sizes, b.halves), live, order.size, probe, b.host(ranks), rows)
             cut = before - int(live.sum())
         if not live.any():
             break
-        size = _bucket(b.sizes, int(live.sum()))
+        size = _bucket(b.halves, int(live.sum()))
         if 2 * size <= rows.size:
             positions = _padded(np.flatnonzero(live), size)
             running = bundler.take_rows(running, jnp.asarray(positions))
@@ -335,17 +338,17 @@ def _segmented_stage(b: _Batch, attack: Attack, k: int, order: np.ndarray, best,
     return _Outcome(best, success, distortion, best_step, improving, steps, row_steps, cut)
 
 
-def _after_probe(sizes: tuple[int, ...], live: np.ndarray, survivors: int, probe,
-                 progress: np.ndarray, rows: np.ndarray) -> np.ndarray:
+def _after_probe(ladders: tuple[tuple[int, ...], tuple[int, ...]], live: np.ndarray,
+                 survivors: int, probe, progress: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """The rows that go on after a probe: a share of the stage's ``survivors``, the focus
-    fraction plus :data:`PROBE_GAIN` times the fraction the probe fooled (rounded to the nearest
-    bucket size, at most all); half of them the most promising under the earlier stages
+    fraction plus :data:`PROBE_GAIN` times the fraction the probe fooled (rounded as
+    :func:`_focus_size` rounds, at most all); half of them the most promising under the earlier stages
     (``closeness``), the rest those with the most ``progress`` of the stage's own. ``live``:
     the bucket's rows not yet satisfied."""
     _, fraction, closeness = probe
     fooled = survivors - int(live.sum())
     share = min(1.0, fraction + PROBE_GAIN * fooled / survivors)
-    keep = min(_focus_size(sizes, share, survivors), int(live.sum()))
+    keep = min(_focus_size(ladders, share, survivors), int(live.sum()))
     candidates = np.flatnonzero(live)
     first = candidates[np.argsort(-closeness[rows[candidates]], kind="stable")[:(keep + 1) // 2]]
     others = np.setdiff1d(candidates, first)
@@ -374,10 +377,14 @@ def probe_steps(attack: Attack, fraction: float) -> int:
     return min(max(1, round(fraction * attack.num_steps)), attack.num_steps - 1)
 
 
-def _focus_size(sizes: tuple[int, ...], fraction: float, survivors: int) -> int:
-    """How many survivors a focus fraction keeps: the bucket size nearest to ``fraction *
-    survivors`` (no padding rows; on average the stage costs what the fraction asks)."""
-    return min(_nearest_bucket(sizes, fraction * survivors), survivors)
+def _focus_size(ladders: tuple[tuple[int, ...], tuple[int, ...]], fraction: float,
+                survivors: int) -> int:
+    """How many survivors a focus fraction keeps: of ``ladders = (sizes, halves)``, the bucket
+    size nearest to ``fraction * survivors`` (in ratio), rounded up to a halving of the batch
+    (at most all survivors). No padding rows, never fewer than the nearest bucket, and a focused
+    stage meets the same few shapes at every eps of a sweep, whose survivors differ."""
+    sizes, halves = ladders
+    return min(_bucket(halves, _nearest_bucket(sizes, fraction * survivors)), survivors)
 
 
 def _stage_rows(b: _Batch, attack: Attack, order: np.ndarray, closeness: np.ndarray,
@@ -386,7 +393,7 @@ def _stage_rows(b: _Batch, attack: Attack, order: np.ndarray, closeness: np.ndar
     most promising, as many as :func:`_focus_size`; with a budget left, those the budget pays
     for, the least run first."""
     if fraction is not None and order.size:
-        keep = _focus_size(b.sizes, fraction, order.size)
+        keep = _focus_size((b.sizes, b.halves), fraction, order.size)
         order = np.sort(order[np.argsort(-closeness[order], kind="stable")][:keep])
     cost = attack.gradients + attack.queries
     if left is not None and cost:
@@ -426,8 +433,10 @@ def cascade(plan: Plan, attacks: Sequence[Attack], apply_fn: Callable, params: A
         params, x, y, key, example_id, eps, apply_fn=apply_fn, goal_names=goal_names,
         norm=plan.norm, judging=plan.judging,
     )
+    multiple = 1 if mesh is None else mesh.devices.size
     b = _Batch(plan, apply_fn, params, x, y, key, example_id, eps, eps_aimed, goal_names,
-               bucket_sizes(batch, 1 if mesh is None else mesh.devices.size), _host_reader(mesh))
+               bucket_sizes(batch, multiple), bucket_sizes(batch, multiple, per_halving=1),
+               _host_reader(mesh))
     rows = _AttackRows.empty(len(attacks), batch)
     spent = np.zeros(batch, np.int64)  # model passes per example so far (host)
     gradients = np.zeros(batch, np.int64)

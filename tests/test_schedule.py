@@ -18,8 +18,8 @@ from jaxbundle import goals as goals_lib
 from jaxbundle import suites
 from jaxbundle import Plan, evaluate
 from jaxbundle.bundler import _bundle, bundle, goals_for
-from jaxbundle.schedule import (PROBE_GAIN, _after_probe, _nearest_bucket, bucket_sizes,
-                                cascade)
+from jaxbundle.schedule import (PROBE_GAIN, _after_probe, _focus_size, _nearest_bucket,
+                                bucket_sizes, cascade)
 from toys import images, linear_apply, linear_problem, min_distance
 
 KEY = jax.random.key(7)
@@ -170,32 +170,43 @@ def test_bad_segments_are_one_clear_error(segments):
 
 def test_bucket_sizes():
     assert bucket_sizes(256) == (256, 192, 128, 96, 64, 48, 32, 24, 16, 12, 8, 6, 4, 3, 2, 1)
-    assert bucket_sizes(250) == (250, 187, 125, 93, 62, 46, 31, 23, 15, 11, 7, 5, 3, 2, 1)
+    assert bucket_sizes(250) == (250, 187, 125, 93, 63, 47, 32, 24, 16, 12, 8, 6, 4, 3, 2, 1)
     assert bucket_sizes(256, 8) == (256, 192, 128, 96, 64, 48, 32, 24, 16, 8)
     assert bucket_sizes(8, 8) == (8,)
     assert bucket_sizes(10, 4) == (10, 8, 4)
     assert bucket_sizes(1) == (1,)
     assert all(s % 4 == 0 for s in bucket_sizes(100, 4))
+    assert bucket_sizes(256, per_halving=1) == (256, 128, 64, 32, 16, 8, 4, 2, 1)
+    assert bucket_sizes(250, per_halving=1) == (250, 125, 63, 32, 16, 8, 4, 2, 1)
+    assert bucket_sizes(12, per_halving=1) == (12, 6, 3, 2, 1)
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.integers(1, 4096), st.sampled_from([1, 2, 4, 8]))
-def test_bucket_ladder_holds_every_count_with_under_a_third_padding(batch, devices):
+@given(st.integers(1, 4096), st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 2]))
+def test_bucket_ladder_holds_every_count_with_bounded_padding(batch, devices, per_halving):
     """Every survivor count fits a bucket; above the smallest bucket, the padding is under a
-    third of the bucket, and every bucket but the whole batch is a multiple of the devices."""
+    third of the bucket (under a half with halves alone); neighbours are at most a factor 2
+    apart; the halves are among the sizes with both; every bucket but the whole batch is a
+    multiple of the devices."""
     batch = max(batch - batch % devices, devices)
-    sizes = bucket_sizes(batch, devices)
+    sizes = bucket_sizes(batch, devices, per_halving)
     assert sizes[0] == batch and sizes[-1] == devices and list(sizes) == sorted(set(sizes))[::-1]
     assert all(s % devices == 0 for s in sizes)
+    assert all(2 * small >= large for large, small in zip(sizes, sizes[1:]))
+    assert set(bucket_sizes(batch, devices, 1)) <= set(bucket_sizes(batch, devices, 2))
     for rows in range(1, batch + 1):
         size = min(s for s in sizes if s >= rows)
-        assert size == devices or (size - rows) < size / 3 + devices
+        assert size == devices or (size - rows) < size / (1 + per_halving) + devices
 
 
 def test_focus_rounds_to_the_nearest_bucket():
     sizes = bucket_sizes(256)
     assert [_nearest_bucket(sizes, r) for r in (104, 16.5, 6.8, 0.3, 256, 1000)] == [
         96, 16, 6, 1, 256, 256]
+    # Focus keeps the nearest, rounded up to a halving of the batch (at most the survivors).
+    ladders = (sizes, bucket_sizes(256, per_halving=1))
+    assert [_focus_size(ladders, 0.5, s) for s in (208, 180, 120, 33, 13, 1)] == [
+        128, 128, 64, 16, 8, 1]
 
 
 @pytest.mark.parametrize("segments", [1, 3])
@@ -320,7 +331,8 @@ def test_cascade_equals_full_on_trained_cnns(model):
 
 def test_focus_spends_a_stage_on_the_most_promising_survivors_only():
     """With focus, attack k runs on the f * survivors survivors of largest margin under the
-    earlier stages' bests (rounded to the nearest bucket size), with the same per-example
+    earlier stages' bests (rounded to the nearest bucket size, then up to a halving of the
+    batch), with the same per-example
     result as in the full bundle."""
     params, x, y, eps = _problem(n=48, seed=3)  # pgd fools 17 that fgsm does not
     atts = (attacks_lib.fgsm(), attacks_lib.pgd(steps=5, restarts=2).rename("pgd"))
@@ -334,9 +346,10 @@ def test_focus_spends_a_stage_on_the_most_promising_survivors_only():
     survivors = np.flatnonzero(~np.asarray(
         goals_lib.success("misclassify", first.best["misclassify"].score, eps)))
     # 0.2 * 43 = 8.6 survivors -> 9 of the buckets of 48 (48, 36, 24, 18, 12, 9, 6, ...): the
-    # nearest in ratio (9 / 8.6 = 1.05 against 8.6 / 6 = 1.43), not rounded up to fill 12.
+    # nearest in ratio (9 / 8.6 = 1.05 against 8.6 / 6 = 1.43), rounded up to a halving of the
+    # batch (48, 24, 12, 6, ...): 12.
     assert survivors.size == 43
-    keep = 9
+    keep = 12
     res, stages = _cascade(atts, params, x, y, ids, eps, focus={"pgd": 0.2},
                           **kw)
     assert stages[1].examples == keep
@@ -390,7 +403,8 @@ def test_a_probe_ranks_survivors_by_the_stage_s_own_progress():
     left = np.setdiff1d(survivors, np.flatnonzero(fooled_in_probe))
     share = 0.1 + PROBE_GAIN * (survivors.size - left.size) / survivors.size
     assert survivors.size == 43 and stages[1].examples == 43 and 0 < share < 1
-    keep = _nearest_bucket(bucket_sizes(48), share * survivors.size)
+    nearest = _nearest_bucket(bucket_sizes(48), share * survivors.size)
+    keep = min(min(h for h in (48, 24, 12, 6, 3, 2, 1) if h >= nearest), left.size)
     closest = left[np.argsort(-margin[left], kind="stable")[:(keep + 1) // 2]]
     others = np.setdiff1d(left, closest)
     expected = np.sort(np.concatenate([
@@ -414,16 +428,17 @@ def test_after_a_probe_that_fools_survivors_more_of_the_stage_goes_on():
     """The share after a probe is the focus fraction plus PROBE_GAIN times the fraction the
     probe fooled: a black-box probe that fools survivors says the white-box stages were
     misled, so more of the stage goes on; half by the earlier margin, half by progress."""
-    sizes = bucket_sizes(64)
+    sizes, halves = bucket_sizes(64), bucket_sizes(64, per_halving=1)
     rows = np.arange(40)  # bucket rows -> batch rows (here the identity)
     closeness = -np.arange(40, dtype=float)  # row 0 the closest under the earlier stages
     progress = np.arange(40, dtype=float)  # row 39 the most progress of its own
     for fooled in (0, 1, 2):
         live = np.ones(40, bool)
         live[:fooled] = False  # the probe fooled these (the closest ones)
-        after = _after_probe(sizes, live, 40, (5, 0.1, closeness), progress, rows)
+        after = _after_probe((sizes, halves), live, 40, (5, 0.1, closeness), progress, rows)
         share = min(1.0, 0.1 + PROBE_GAIN * fooled / 40)
-        keep = min(_nearest_bucket(sizes, share * 40), 40 - fooled)
+        nearest = _nearest_bucket(sizes, share * 40)
+        keep = min(min(h for h in halves if h >= nearest), 40 - fooled)  # up to a halving
         assert after.sum() == keep and not (after & ~live).any()
         by_margin = np.arange(fooled, fooled + (keep + 1) // 2)
         by_progress = np.arange(40 - (keep - by_margin.size), 40)
@@ -493,18 +508,19 @@ def test_a_focused_cascade_says_what_it_skipped(tmp_path):
     ran = pe["attack_step"][:, 1] != -2
     stages = focused.metrics["schedule"]["stages"]
     assert stages[1]["survivors"] == survivors.sum() == 43
-    assert stages[1]["examples"] == ran.sum() == 9 and not (ran & ~survivors).any()
-    assert stages[1]["skipped"] == 34 == focused.metrics["schedule"]["skipped"]
+    # 0.2 x 43 -> 9 (nearest bucket of 48) -> 12 (up to a halving of the batch)
+    assert stages[1]["examples"] == ran.sum() == 12 and not (ran & ~survivors).any()
+    assert stages[1]["skipped"] == 31 == focused.metrics["schedule"]["skipped"]
     assert stages[0]["skipped"] == 0 and stages[0]["survivors"] == ok.sum()
     statement = focused.metrics["schedule"]["statement"]
     assert statement.startswith("stages left survivors unattacked or stopped them after a "
-                                "probe (pgd: 34 of 43; focus, probe or")
+                                "probe (pgd: 31 of 43; focus, probe or")
     assert "upper bound" in statement
     assert whole.metrics["schedule"]["skipped"] == 0
     assert whole.metrics["schedule"]["statement"] is None
     report = {"config": {}, "models": {"focused": focused.metrics, "whole": whole.metrics}}
     md = markdown(report)
-    assert md.count("upper bound") == 1 and "after pgd (9 attacked, 34 survivors skipped)" in md
+    assert md.count("upper bound") == 1 and "after pgd (12 attacked, 31 survivors skipped)" in md
     console = Console(record=True, width=200)
     print_tables(console, {"focused": (focused, 0.0), "whole": (whole, 0.0)})
     assert console.export_text().count("upper bound:") == 1
@@ -538,4 +554,5 @@ def test_a_sweep_over_eps_reuses_every_program():
     (first, acc), (second, acc2), (third, _) = runs
     ok = 100 * np.mean(np.asarray(linear_apply(params, x)).argmax(1) == y)
     assert acc == acc2 == pytest.approx(ok)  # nothing fooled at either radius
-    assert 0 < first <= 70 and second == 0 and third == 0, runs  # 64 with jax 0.10
+    # 65 with jax 0.10.2 (69 when a stage's last judging was a program of its own)
+    assert 0 < first <= 70 and second == 0 and third == 0, runs
