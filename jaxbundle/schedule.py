@@ -68,7 +68,7 @@ import numpy as np
 from jaxbundle import goals as goals_lib
 from jaxbundle.attacks.base import Attack, per_example_keys
 from jaxbundle import bundler
-from jaxbundle.bundler import BestState, BundleResult, _bundle, fold, glue_jit
+from jaxbundle.bundler import BestState, BundleResult, fold, glue_jit
 from jaxbundle.plan import Plan
 
 __all__ = [
@@ -254,28 +254,6 @@ def _padded(order: np.ndarray, size: int) -> np.ndarray:
     return np.concatenate([order, np.full(size - order.size, order[-1])]).astype(np.int32)
 
 
-def _whole_stage(b: _Batch, attack: Attack, k: int, order: np.ndarray, best, success,
-                 distortion, best_step, improving) -> _Outcome:
-    """Attack ``k`` on the rows ``order``, all its steps in one program."""
-    rows = _padded(order, _bucket(b.sizes, order.size))
-    sub_x, sub_y, sub_id, sub_eps = _take((b.x, b.y, b.example_id, b.eps), rows)
-    found = _bundle(
-        b.params, sub_x, sub_y, b.key, sub_id, sub_eps, apply_fn=b.apply_fn, attacks=(attack,),
-        goal_names=b.goal_names, norm=b.plan.norm, judging=b.plan.judging, unroll=b.plan.unroll,
-        restart_mode=b.plan.restart_mode, indices=(k,),
-    )
-    steps = np.zeros(b.y.shape[0], np.int64)
-    steps[order] = attack.num_steps
-    return _Outcome(
-        _merge(best, b.eps_aimed, rows, found.best, goal_names=b.goal_names),
-        _put(success, rows, found.attack_success[0]),
-        _put(distortion, rows, found.attack_distortion[0]),
-        _put(best_step, rows, found.attack_step[0]),
-        _put(improving, rows, found.attack_improving[0]),
-        steps, rows.size * attack.num_steps,
-    )
-
-
 def _segmented_stage(b: _Batch, attack: Attack, k: int, order: np.ndarray, best, success,
                      distortion, best_step, improving, segments: int,
                      probe: tuple[int, float, np.ndarray] | None = None) -> _Outcome:
@@ -360,15 +338,18 @@ def _after_probe(ladders: tuple[tuple[int, ...], tuple[int, ...]], live: np.ndar
 
 
 def _run_stage(b: _Batch, attack: Attack, *args,
-               probe: tuple[int, float, np.ndarray] | None = None) -> _Outcome:
-    """Stage ``attack`` in the plan's segments (after a probe, if it has one), or whole: an
+                probe: tuple[int, float, np.ndarray] | None = None) -> _Outcome:
+    """Stage ``attack`` in the plan's segments (after a probe, if it has one), or in one: an
     attack whose goal is never satisfied (min-norm: a smaller distortion is always better) is
-    never done early."""
+    never done early. A stage in one segment still runs as three programs (start, steps,
+    judging), so its glue compiles fast (:func:`jaxbundle.bundler.glue_jit`): a whole-stage
+    program compiled at XLA's defaults made a cascade of the standard bundle compile 14 s
+    where the full bundle's one program took 9 s."""
     segments = b.plan.segments
     never_done = any(goals_lib.GOALS[g].satisfied is None for g in (b.plan.goal, attack.goal))
-    if probe is not None or (segments > 1 and attack.num_steps >= segments and not never_done):
-        return _segmented_stage(b, attack, *args, segments, probe)
-    return _whole_stage(b, attack, *args)
+    if probe is None and (attack.num_steps < segments or never_done):
+        segments = 1
+    return _segmented_stage(b, attack, *args, segments, probe)
 
 
 def probe_steps(attack: Attack, fraction: float) -> int:
