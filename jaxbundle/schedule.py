@@ -45,10 +45,11 @@ paper's least-run-first rule), the others wait for the next stage.
 
 With ``segments`` N > 1, a stage stops spending inside it too: the attack's steps run in N
 segments (:func:`jaxbundle.bundler.start_stage`, ``step_stage``, ``judge_stage``: one program
-per bucket size, the step index traced). After each, the bests so far are verified and
-merged; the examples now satisfied stop there, and the others go on from their own attack
-state, gathered into a bucket at most half the current size once they fit
-(:func:`jaxbundle.bundler.take_rows`; attack states have the batch axis first). An example's
+per bucket size, the step index traced; a stage run whole is the same three programs in one
+segment). After each, the bests so far are verified and merged; the examples now satisfied
+stop there, and the others go on from their own attack state, gathered into a bucket at most
+half the current size once they fit (:func:`jaxbundle.bundler.take_rows`; attack states have
+the batch axis first). An example's
 steps do not depend on the other rows, so the misclassify goal's fooled set is still the full
 bundle's; an example that stopped keeps the image of the segment that fooled it, where the full
 run might have gone on to a larger margin. Minimum-norm attacks always run whole (a smaller
@@ -320,9 +321,9 @@ def _after_probe(ladders: tuple[tuple[int, ...], tuple[int, ...]], live: np.ndar
                  survivors: int, probe, progress: np.ndarray, rows: np.ndarray) -> np.ndarray:
     """The rows that go on after a probe: a share of the stage's ``survivors``, the focus
     fraction plus :data:`PROBE_GAIN` times the fraction the probe fooled (rounded as
-    :func:`_focus_size` rounds, at most all); half of them the most promising under the earlier stages
-    (``closeness``), the rest those with the most ``progress`` of the stage's own. ``live``:
-    the bucket's rows not yet satisfied."""
+    :func:`_focus_size` rounds, at most all); half of them the most promising under the
+    earlier stages (``closeness``), the rest those with the most ``progress`` of the stage's
+    own. ``live``: the bucket's rows not yet satisfied; ``ladders``: ``(sizes, halves)``."""
     _, fraction, closeness = probe
     fooled = survivors - int(live.sum())
     share = min(1.0, fraction + PROBE_GAIN * fooled / survivors)

@@ -343,13 +343,16 @@ def _reference_iterates(params, x0, y, target, norm, steps, alpha_max=0.1, eta=1
     return news, bests
 
 
+@pytest.mark.parametrize("fresh", [False, True])
 @pytest.mark.parametrize("norm", ["linf", "l2"])
-def test_iterates_are_the_references_on_a_linear_model(norm):
+def test_iterates_are_the_references_on_a_linear_model(norm, fresh):
     """Checking x_new with the next step's forward pass (and linearising there) is the
-    reference's iteration exactly where the gradient is constant."""
+    reference's iteration exactly where the gradient is constant; so is the reference's own
+    order (``fresh_gradient``: a fresh gradient at the point moved back)."""
     params, xf, yf, model, x, y = _linear(n=32, k=4, seed=4, spread=0.1, centred=True)
     steps = 12
-    xs, best = _trajectories(fab(norm, targets=3), model, x, y, steps + 1, restarts=3)
+    attack = fab(norm, targets=3, fresh_gradient=fresh)
+    xs, best = _trajectories(attack, model, x, y, steps + 1, restarts=3)
     for r in range(3):
         target = _targets_of(params, xf, yf, r)
         dist = _pair_distance(params, xf, yf, target, norm)
@@ -364,6 +367,26 @@ def test_iterates_are_the_references_on_a_linear_model(norm):
         keep = dist > 1e-3
         assert np.all(best[r, -1][keep] >= dist[keep] * (1 - 1e-4))
         assert np.all(best[r, -1][keep] <= dist[keep] * 1.01)
+
+
+def test_the_orders_differ_where_the_gradient_does():
+    """On a network the gradient at the point moved back is not the iterate's: the reference's
+    order (``fresh_gradient``) takes its own path after the first step back."""
+    rng = np.random.default_rng(0)
+    v = jnp.asarray(rng.normal(size=(12, 16)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(16, 4)), jnp.float32)
+    net = WhiteBoxModel(lambda p, x: jnp.tanh(x.reshape(x.shape[0], -1) @ p[0]) @ p[1], (v, w))
+    x = jnp.asarray(rng.uniform(0.3, 0.7, size=(16, 3, 4, 1)), jnp.float32)
+    y = jnp.argmax(net.logits(x), axis=1).astype(jnp.int32)
+    paths = [_trajectories(fab("l2", targets=2, fresh_gradient=f), net, x, y, 8, restarts=2)
+             for f in (False, True)]
+    (xs, best), (xs_fresh, best_fresh) = paths
+    stepped_back = np.isfinite(best[:, 1:-1]).any(axis=(0, 1))  # rows with a step back
+    assert stepped_back.sum() >= 4
+    np.testing.assert_allclose(xs[:, :2], xs_fresh[:, :2], atol=1e-6)  # before any step back
+    moved = np.abs(xs - xs_fresh).reshape(*xs.shape[:3], -1).max(-1) > 1e-4  # [R, T, B]
+    assert moved.any(axis=(0, 1))[stepped_back].all()
+    assert not moved.any(axis=(0, 1))[~stepped_back].any()
 
 
 @pytest.mark.parametrize("norm", ["linf", "l2"])

@@ -87,6 +87,8 @@ class FABConfig(NamedTuple):
     alpha_max: float  # cap on the weight of the step from x0
     eta: float  # overshoot of both projection steps
     beta: float  # backward step: x = x0 + beta (x_adv - x0)
+    fresh: bool = False  # the reference's order: check x_new (a forward pass), then a fresh
+    #   gradient at the point moved back; else the gradient at x_new itself (one pass fewer)
 
 
 class FABState(NamedTuple):
@@ -233,7 +235,10 @@ def _differences_and_gradients(
 def step(config: FABConfig, state: FABState, model: WhiteBoxModel):
     s = state
     where = lambda c, a, b: jnp.where(norms.per_example(c, a), a, b)  # noqa: E731
-    logits, f, grads = _differences_and_gradients(model, s.x, s.y, s.classes)
+    if config.fresh:
+        logits = model.logits(s.x)
+    else:
+        logits, f, grads = _differences_and_gradients(model, s.x, s.y, s.classes)
 
     # Check the last step's point; where misclassified, record it and go back towards x0.
     adversarial = losses.margin(logits, s.y) > 0
@@ -243,9 +248,12 @@ def step(config: FABConfig, state: FABState, model: WhiteBoxModel):
     back = adversarial & (s.k > 0)
     x = where(back, s.x0 + config.beta * (s.x - s.x0), s.x)
 
-    # Linearise at s.x, evaluated at x; untargeted: the class of nearest linearised boundary.
-    shift = x - s.x
-    f_x = f + jax.vmap(norms.dot, in_axes=(0, None))(grads, shift).T  # [B, C]
+    # Linearise at x (fresh) or at s.x, evaluated at x; untargeted: the class of nearest
+    # linearised boundary.
+    if config.fresh:
+        _, f_x, grads = _differences_and_gradients(model, x, s.y, s.classes)
+    else:
+        f_x = f + jax.vmap(norms.dot, in_axes=(0, None))(grads, x - s.x).T  # [B, C]
     if config.targeted:
         g, f_j = grads[0], f_x[:, 0]
     else:
@@ -277,6 +285,7 @@ def fab(
     beta: float = 0.9,
     targeted: bool = True,
     restarts: int = 1,
+    fresh_gradient: bool = False,
     name: str | None = None,
 ) -> Attack:
     """FAB-T (default) or untargeted FAB: minimum-norm steps to the linearised boundary.
@@ -299,6 +308,11 @@ def fab(
       restarts: runs per target (targeted) or in all (untargeted); the first starts from
         ``x0``, the others from random points at distance ``eps / 2``. Default 1 (AutoAttack's
         FAB-T; its untargeted FAB in the "plus" version uses 5).
+      fresh_gradient: the reference's order: each step checks the last iterate with a forward
+        pass and, where it is misclassified, takes a fresh gradient at the point moved back
+        towards ``x0`` (one forward pass more per step than ``gradients`` counts, as in the
+        reference). Default False: the gradient at the iterate itself, linearised to the point
+        moved back (exact on a linear model; see the module docstring).
       name: report name; default ``"fab-t"`` (targeted) or ``"fab"``.
 
     Returns:
@@ -316,7 +330,8 @@ def fab(
     if not 0.0 < beta <= 1.0:
         raise ValueError(f"fab beta must be in (0, 1], got {beta!r}")
     targeted = bool(targeted)
-    config = FABConfig(norm, targeted, targets, restarts, float(alpha_max), float(eta), float(beta))
+    config = FABConfig(norm, targeted, targets, restarts, float(alpha_max), float(eta), float(beta),
+                       bool(fresh_gradient))
     return white_box_attack(
         name or ("fab-t" if targeted else "fab"), norm, steps, init, step, config,
         restarts=targets * restarts if targeted else restarts,
