@@ -103,6 +103,7 @@ def test_autoattack_bundle_has_autoattacks_original_parameters():
         assert aa["apgd-t"].num_restarts == 9 and aa["apgd-t"].num_steps == 100
         fab = aa["fab-t"]
         assert fab.num_restarts == 9 and fab.num_steps == 100 and fab.goal == "min_norm"
+        assert fab.config.fresh  # the reference's order of checking and stepping back
         sq = aa["square-aa"]
         assert sq.queries == 5000 and sq.config.p_init == 0.8
         assert sq.config.rescale_schedule is False
