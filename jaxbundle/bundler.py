@@ -464,12 +464,9 @@ def judge_stage(params, running, x, y, eps, t, last, *, apply_fn, attack, index,
     [B])``; the current iterate is evaluated only after the ``last`` step (a traced bool, so
     one program judges every segment)."""
     x, y, eps, grid, model = _setup(params, x, y, eps, apply_fn, norm, judging, running.keys)
-
-    def best(iterate):
-        return lambda: _attack_best(attack, index, model, x, y, eps, norm, goal_names, running,
-                                    t, restart_mode, iterate=iterate)
-
-    found = jax.lax.cond(last, best(True), best(False))
+    best = functools.partial(_attack_best, attack, index, model, x, y, eps, norm, goal_names,
+                             running, t, restart_mode)
+    found = jax.lax.cond(last, lambda: best(iterate=True), lambda: best(iterate=False))
     improving = last & still_improving(attack, running)
     return _judged(attack, found, model, x, y, eps, norm, grid, running.clean, goal_names,
                    improving)
