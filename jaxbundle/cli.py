@@ -260,7 +260,8 @@ def _run_flags(ev: argparse.ArgumentParser) -> None:
     run.add_argument("--seed", type=int, default=None, help="example i draws from "
                      "fold_in(key(seed), i) (default 0)")
     run.add_argument("--batch-size", type=_positive_int, default=None,
-                     help="rows per batch (default 250)")
+                     help="rows per batch at most (default 250; the examples are split into "
+                          "equal batches)")
     run.add_argument("--dry-run", action="store_true",
                      help="build and check the plan, print it as JSON and stop")
     run.add_argument("--out", default="jaxbundle-report", help="report directory")
