@@ -393,7 +393,8 @@ def cascade(plan: Plan, attacks: Sequence[Attack], apply_fn: Callable, params: A
     Args:
       plan: a checked :class:`jaxbundle.Plan`: its threat model and schedule (``goal``,
         ``threshold``, ``budget``: model passes per example on average over the real rows,
-        ``focus``, ``segments``; see the module docstring), ``unroll``, ``restart_mode``.
+        ``focus``, ``segments``; see the module docstring), ``restart_mode`` (the stages loop
+        with ``lax.fori_loop``: ``unroll`` is the full bundle's).
       attacks: the plan's attacks as built for this model (EOT applied).
       apply_fn, params, x, y, key, example_id, eps: as in :func:`jaxbundle.bundler.bundle`.
       goal_names: the goals the bundle tracks (:func:`jaxbundle.bundler.goals_for`).
