@@ -160,11 +160,13 @@ def _seen(attack: Attack, model: WhiteBoxModel, restart_keys: jax.Array, call: i
     return threat_model(attack.kind, model.apply_fn, model.params, model.grid, keys, attack.eot)
 
 
-def _over_restarts(attack: Attack, restart_mode: str, fn: Callable, *stacked: Any) -> Any:
+def _over_restarts(attack: Attack, restart_mode: str, fn: Callable, *stacked: Any,
+                   first: int | jax.Array = 0) -> Any:
     """``fn(restart, *args)`` over the leading restart axis ``[R]`` of ``stacked`` (``vmap``, or
-    one at a time with ``lax.map``); the outputs are stacked on ``[R]`` too. With one restart
-    nothing is mapped: the arguments are squeezed and the outputs expanded."""
-    restarts = jnp.arange(attack.num_restarts, dtype=jnp.int32)
+    one at a time with ``lax.map``), the restarts numbered from ``first``; the outputs are
+    stacked on ``[R]`` too. With one restart nothing is mapped: the arguments are squeezed and
+    the outputs expanded."""
+    restarts = first + jnp.arange(attack.num_restarts, dtype=jnp.int32)
     if attack.num_restarts == 1:
         out = fn(restarts[0], *jax.tree.map(lambda a: a[0], stacked))
         return jax.tree.map(lambda a: a[None], out)
@@ -181,26 +183,29 @@ class Running(NamedTuple):
     clean: BestState  # [B]: the clean image's candidate (every goal's starting best)
     keys: jax.Array  # [B]: the examples' keys (per_example_keys)
     early: jax.Array  # [R, B]: each restart's best margin before its last steps (WINDOW)
+    first: int | jax.Array = 0  # the index of its first restart (restarts run one at a time in
+    #   a cascade with ``restart_mode="cascade"``: see :mod:`jaxbundle.schedule`)
 
 
 def _start_attack(
     attack: Attack, index: int, model: WhiteBoxModel, keys: jax.Array, x0: jax.Array,
     y: jax.Array, eps: jax.Array, clean: BestState, goal_names: tuple[str, ...],
-    restart_mode: str,
+    restart_mode: str, first: int | jax.Array = 0,
 ) -> Running:
-    """Every restart's initial state, with the clean image as every goal's best (a stochastic
-    model's clean image as a 0-or-1 success rate, as the attack's own candidates are scored)."""
+    """Every restart's initial state (restarts ``first, first + 1, ...``), with the clean image
+    as every goal's best (a stochastic model's clean image as a 0-or-1 success rate, as the
+    attack's own candidates are scored)."""
 
     def one_restart(restart):
         restart_keys = _restart_keys(keys, index, restart)
         seen = _seen(attack, model, restart_keys, sampling.INIT_CALL)
         return attack.init(attack.config, restart_keys, x0, y, eps, seen, restart)
 
-    state = _over_restarts(attack, restart_mode, one_restart)
+    state = _over_restarts(attack, restart_mode, one_restart, first=first)
     start = clean._replace(score=clean.score._replace(
         rate=clean.score.misclassified.astype(jnp.float32)))
     best = jax.tree.map(lambda a: jnp.broadcast_to(a, (attack.num_restarts, *a.shape)), start)
-    return Running(state, {g: best for g in goal_names}, clean, keys, best.score.margin)
+    return Running(state, {g: best for g in goal_names}, clean, keys, best.score.margin, first)
 
 
 def _attack_steps(
@@ -239,7 +244,7 @@ def _attack_steps(
         return jax.lax.fori_loop(t0, t1, body, (state, best, early))
 
     state, best, early = _over_restarts(attack, restart_mode, one_restart, running.state,
-                                        running.best, running.early)
+                                        running.best, running.early, first=running.first)
     return running._replace(state=state, best=best, early=early)
 
 
@@ -287,7 +292,8 @@ def _attack_best(
 
     stacked = running.best
     if iterate:
-        stacked = _over_restarts(attack, restart_mode, one_restart, running.state, stacked)
+        stacked = _over_restarts(attack, restart_mode, one_restart, running.state, stacked,
+                                 first=running.first)
     if model.stochastic:
         return stacked
     if attack.num_restarts == 1:
@@ -437,14 +443,15 @@ _STAGE_STATIC = ("apply_fn", "attack", "index", "goal_names", "norm", "judging",
 
 
 @glue_jit(static_argnames=_STAGE_STATIC)
-def start_stage(params, x, y, key, example_id, eps, *, apply_fn, attack, index, goal_names, norm,
-                judging, restart_mode) -> Running:
+def start_stage(params, x, y, key, example_id, eps, first=0, *, apply_fn, attack, index,
+                goal_names, norm, judging, restart_mode) -> Running:
     """A cascade's stage run in segments: attack ``index`` initialised on a bucket of rows,
-    with the same keys as in the full bundle (see :mod:`jaxbundle.schedule`)."""
+    with the same keys as in the full bundle (see :mod:`jaxbundle.schedule`); its restarts
+    numbered from ``first`` (traced: every restart of a cascade of restarts is one program)."""
     keys = per_example_keys(key, example_id)
     x, y, eps, _, model = _setup(params, x, y, eps, apply_fn, norm, judging, keys)
     return _start_attack(attack, index, model, keys, x, y, eps, clean_state(model, x, y, norm),
-                         goal_names, restart_mode)
+                         goal_names, restart_mode, jnp.asarray(first, jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnames=_STAGE_STATIC)
@@ -478,7 +485,8 @@ def take_rows(running: Running, positions: jax.Array) -> Running:
     pick = lambda a: jnp.take(a, positions, axis=1)  # noqa: E731
     rows = lambda a: jnp.take(a, positions, axis=0)  # noqa: E731
     return Running(jax.tree.map(pick, running.state), jax.tree.map(pick, running.best),
-                   jax.tree.map(rows, running.clean), rows(running.keys), pick(running.early))
+                   jax.tree.map(rows, running.clean), rows(running.keys), pick(running.early),
+                   running.first)
 
 
 def held_out(result: BundleResult, params: Any, x: jax.Array, y: jax.Array, key: jax.Array,

@@ -38,7 +38,9 @@ NAME`` runs exactly the plan ``plan(NAME, norm, eps)`` with the flags given appl
     AutoAttack's standard version (Croce & Hein 2020) with its original parameters: APGD-CE
     (100 steps), APGD-T (9 targets x 100), FAB-T (9 targets x 100) and Square (5,000 queries,
     p_init 0.8, the schedule not rescaled), run as AutoAttack runs it, each attack only on the
-    examples the earlier ones did not fool (a cascade).
+    examples the earlier ones did not fool (a cascade), and APGD-T's and FAB-T's targets one
+    after another, each on the examples the targets before did not fool (``restart_mode=
+    "cascade"``; run in full, every target on every example).
 ``min-norm``
     The white-box minimum-norm attacks for the success-vs-distortion curve (L2: FMN, BP, CW,
     DeepFool; Linf: FMN, DeepFool).
@@ -65,6 +67,7 @@ class Bundle(NamedTuple):
     focus: tuple[tuple[str, float], ...] = ()
     segments: int = 1
     probe: tuple[tuple[str, float], ...] = ()
+    restart_mode: str = "vmap"  # "cascade": in a cascade, each restart on what the others left
 
 
 def _a(name: str, only: tuple[str, ...] | None = None, **budget: int):
@@ -88,7 +91,7 @@ BUNDLES: dict[str, Bundle] = {
     )),
     "autoattack": Bundle(
         (_a("apgd-ce"), _a("apgd-t"), _a("fab-t"), _a("square-aa", queries=5000)),
-        mode="cascade",
+        mode="cascade", restart_mode="cascade",
     ),
     "black-box": Bundle((_a("square"), _a("rays", ("linf",)), _a("surfree", ("l2",)))),
     "min-norm": Bundle((_a("fmn"), _a("bp-variant", ("l2",)), _a("cw-l2-light", ("l2",)),
@@ -106,8 +109,10 @@ def plan(name: str, norm: str = "linf", eps: float | None = None, **fields: Any)
         raise ValueError(f"bundle {name!r} needs the threat model's eps")
     b = BUNDLES[name]
     attacks = tuple(spec for spec, only in b.attacks if only is None or norm in only)
+    # A cascade of restarts only in a cascade: the bundle run in full runs its restarts at once.
+    restart_mode = b.restart_mode if fields.get("mode", b.mode) == "cascade" else "vmap"
     base = Plan(eps=eps, norm=norm, attacks=attacks, bundle=name, mode=b.mode, focus=b.focus,
-                probe=b.probe, segments=b.segments)
+                probe=b.probe, segments=b.segments, restart_mode=restart_mode)
     return base.replace(**fields).check()
 
 

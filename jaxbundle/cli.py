@@ -33,7 +33,8 @@ __all__ = ["build_plan", "main"]
 def build_plan(args: argparse.Namespace, norm: str, eps: float) -> Plan:
     """The plan the flags ask for: ``--bundle``'s (or ``--attacks``' in full mode) with every
     flag given applied to it, checked. ``--schedule full`` on a cascade bundle drops the
-    bundle's own focus, probe and segments; ``--focus`` and ``--probe`` add to the bundle's."""
+    bundle's own focus, probe, segments and cascade of restarts; ``--focus`` and ``--probe``
+    add to the bundle's."""
     fields = {k: v for k, v in (
         ("steps", args.steps), ("restarts", args.restarts), ("step_size", args.step_size),
         ("queries", args.queries), ("threshold", args.threshold), ("budget", args.budget),
@@ -43,7 +44,8 @@ def build_plan(args: argparse.Namespace, norm: str, eps: float) -> Plan:
     base = (Plan(eps=eps, norm=norm, attacks=tuple(args.attacks)) if args.attacks
             else bundles.plan(args.bundle, norm, eps))
     if args.schedule is not None and args.schedule != base.mode:
-        base = base.replace(mode=args.schedule, focus=(), probe=(), segments=1)
+        base = base.replace(mode=args.schedule, focus=(), probe=(), segments=1,
+                            restart_mode="vmap")
     if args.threshold is not None:
         fields["goal"] = "max_confidence"
     if args.focus:

@@ -9,8 +9,11 @@ A :class:`Plan` is frozen and hashable. It holds
 * the schedule: ``mode`` (``"full"``: every attack on every example; ``"cascade"``: each on
   the examples whose ``goal`` the ones before left unsatisfied, see :mod:`jaxbundle.schedule`),
   ``threshold`` (the max-confidence goal's t), ``budget``, ``focus`` and ``segments``;
-* the run options: ``batch_size``, ``seed``, ``unroll``, ``restart_mode``, and for stochastic
-  models ``eot``, ``judge_calls`` and ``success_threshold``.
+* the run options: ``batch_size``, ``seed``, ``unroll``, ``restart_mode`` (``"vmap"``;
+  ``"map"``: one restart at a time, less memory; ``"cascade"``, in a cascade only: one restart
+  at a time, each on the examples the ones before left, as AutoAttack runs APGD-T's and
+  FAB-T's targets), and for stochastic models ``eot``, ``judge_calls`` and
+  ``success_threshold``.
 
 Named bundles are plans (:mod:`jaxbundle.bundles`); a field is changed with
 :meth:`Plan.replace`. :meth:`Plan.check` holds every rule once (the CLI, :func:`jaxbundle.evaluate`
@@ -39,7 +42,7 @@ __all__ = ["AttackSpec", "DEFAULT_GOALS", "MODES", "Plan"]
 
 DEFAULT_GOALS = ("misclassify", "max_confidence", "min_norm")
 MODES = ("full", "cascade")
-RESTART_MODES = ("vmap", "map")
+RESTART_MODES = ("vmap", "map", "cascade")
 
 
 class AttackSpec(NamedTuple):
@@ -308,6 +311,9 @@ def _check_run(plan: Plan) -> None:
     if plan.restart_mode not in RESTART_MODES:
         raise ValueError(f"restart_mode must be one of {RESTART_MODES}, got "
                          f"{plan.restart_mode!r}")
+    if plan.restart_mode == "cascade" and plan.mode != "cascade":
+        raise ValueError("restart_mode 'cascade' (each restart on the examples the ones before "
+                         "left) needs mode 'cascade'; in mode 'full' use 'vmap' or 'map'")
     for field in ("eot", "judge_calls"):
         value = getattr(plan, field)
         if (value is not None or field == "eot") and (not _is_int(value) or value < 1):

@@ -246,8 +246,12 @@ class _AttackRows(NamedTuple):
                    jnp.full((attacks, batch), jnp.inf, jnp.float32),
                    jnp.full((attacks, batch), -2, jnp.int32), jnp.zeros((attacks, batch), bool))
 
-    def set(self, k: int, out: "_Outcome") -> "_AttackRows":
-        return _AttackRows(*(getattr(self, f).at[k].set(getattr(out, f)) for f in self._fields))
+    def set(self, k: int, out: "_Outcome", keep_success: bool = False) -> "_AttackRows":
+        """Attack ``k``'s rows from ``out``; with ``keep_success`` (a later restart of a
+        cascade of restarts), an example an earlier restart fooled keeps that restart's row."""
+        kept = self.success[k] if keep_success else jnp.zeros_like(self.success[k])
+        return _AttackRows(*(getattr(self, f).at[k].set(
+            jnp.where(kept, getattr(self, f)[k], getattr(out, f))) for f in self._fields))
 
 
 def _padded(order: np.ndarray, size: int) -> np.ndarray:
@@ -257,17 +261,20 @@ def _padded(order: np.ndarray, size: int) -> np.ndarray:
 
 def _segmented_stage(b: _Batch, attack: Attack, k: int, order: np.ndarray, best, success,
                      distortion, best_step, improving, segments: int,
-                     probe: tuple[int, float, np.ndarray] | None = None) -> _Outcome:
-    """Attack ``k`` on the rows ``order`` in up to ``segments`` runs of its steps. After each,
-    the rows whose goal is satisfied stop; the others are compacted into a bucket at most half
-    the size of the current one once they fit (fewer shapes to compile), else they go on in
-    place. With ``probe = (steps, fraction, closeness)``, the first run is ``steps`` long and
-    only some rows go on after it (:func:`_after_probe`)."""
+                     probe: tuple[int, float, np.ndarray] | None = None,
+                     first: int = 0) -> _Outcome:
+    """Attack ``k`` (its restarts numbered from ``first``) on the rows ``order`` in up to
+    ``segments`` runs of its steps. After each, the rows whose goal is satisfied stop; the
+    others are compacted into a bucket at most half the size of the current one once they fit
+    (fewer shapes to compile), else they go on in place. With ``probe = (steps, fraction,
+    closeness)``, the first run is ``steps`` long and only some rows go on after it
+    (:func:`_after_probe`)."""
     static = dict(apply_fn=b.apply_fn, attack=attack, index=k, goal_names=b.goal_names,
                   norm=b.plan.norm, judging=b.plan.judging, restart_mode=b.plan.restart_mode)
     rows = _padded(order, _bucket(b.sizes, order.size))
     sub = _take((b.x, b.y, b.example_id, b.eps), rows)
-    running = bundler.start_stage(b.params, sub[0], sub[1], b.key, sub[2], sub[3], **static)
+    running = bundler.start_stage(b.params, sub[0], sub[1], b.key, sub[2], sub[3],
+                                  jnp.int32(first), **static)
     steps, row_steps, cut = np.zeros(b.y.shape[0], np.int64), 0, 0
     length = -(-attack.num_steps // segments)
     live = np.ones(rows.size, bool)  # rows of the bucket still running (padding: False)
@@ -339,7 +346,7 @@ def _after_probe(ladders: tuple[tuple[int, ...], tuple[int, ...]], live: np.ndar
 
 
 def _run_stage(b: _Batch, attack: Attack, *args,
-                probe: tuple[int, float, np.ndarray] | None = None) -> _Outcome:
+               probe: tuple[int, float, np.ndarray] | None = None, first: int = 0) -> _Outcome:
     """Stage ``attack`` in the plan's segments (after a probe, if it has one), or in one: an
     attack whose goal is never satisfied (min-norm: a smaller distortion is always better) is
     never done early. A stage in one segment still runs as three programs (start, steps,
@@ -350,7 +357,17 @@ def _run_stage(b: _Batch, attack: Attack, *args,
     never_done = any(goals_lib.GOALS[g].satisfied is None for g in (b.plan.goal, attack.goal))
     if probe is None and (attack.num_steps < segments or never_done):
         segments = 1
-    return _segmented_stage(b, attack, *args, segments, probe)
+    return _segmented_stage(b, attack, *args, segments, probe, first)
+
+
+def _restart_parts(attack: Attack, restart_mode: str) -> list[tuple[Attack, int]]:
+    """What a stage runs in turn, each part with the index of its first restart: the attack
+    whole, or with ``restart_mode="cascade"`` each of its restarts alone (keyed and numbered as
+    in the whole attack: APGD-T's and FAB-T's restart ``r`` targets the ``r``-th class), each on
+    the survivors of the ones before, as AutoAttack runs its targets."""
+    if restart_mode != "cascade" or attack.num_restarts == 1:
+        return [(attack, 0)]
+    return [(attack._replace(num_restarts=1), r) for r in range(attack.num_restarts)]
 
 
 def probe_steps(attack: Attack, fraction: float) -> int:
@@ -426,32 +443,42 @@ def cascade(plan: Plan, attacks: Sequence[Attack], apply_fn: Callable, params: A
     queries = np.zeros(batch, np.int64)
     left = None if plan.budget is None else float(plan.budget) * int(real.sum())
     stages = []
-    for k, attack in enumerate(attacks):
-        probed = attack.name in probes  # focus after a probe, by the stage's own progress
+    for k, whole in enumerate(attacks):
+        probed = whole.name in probes  # focus after a probe, by the stage's own progress
         done, closeness = b.host(_status(best, eps, plan.goal, plan.threshold,
-                                         attack.name in focus))
+                                         whole.name in focus))
         survivors = np.flatnonzero(real & ~done)
-        order = _stage_rows(b, attack, survivors, closeness,
-                            None if probed else focus.get(attack.name), left, spent)
-        if order.size == 0:
-            stages.append(Stage(k, 0, 0, 0, 0, survivors.size))
-            continue
-        probe = ((probe_steps(attack, probes[attack.name]), focus[attack.name], closeness)
-                 if probed else None)
-        out = _run_stage(b, attack, k, order, best, *(r[k] for r in rows), probe=probe)
-        best, rows = out.best, rows.set(k, out)
-        ran = np.zeros(batch, bool)
-        ran[order] = True
-        grads = attack.steps_gradients(out.steps)
-        asked = np.where(ran, attack.steps_queries(out.steps), 0)
-        spent += grads + asked
-        gradients += grads
-        queries += asked
-        if left is not None:
-            left -= float(np.sum(grads + asked))
-        stages.append(Stage(k, int(order.size), -(-out.row_steps // max(attack.num_steps, 1)),
-                            int(np.sum(grads[real])), int(np.sum(asked[real])), survivors.size,
-                            out.cut))
+        chosen = _stage_rows(b, whole, survivors, closeness,
+                             None if probed else focus.get(whole.name), left, spent)
+        stage, row_steps = Stage(k, int(chosen.size), 0, 0, 0, survivors.size), 0
+        for attack, first in _restart_parts(whole, plan.restart_mode):
+            order = chosen
+            if first:  # a later restart of a cascade of restarts: on what the others left
+                done, closeness = b.host(_status(best, eps, plan.goal, plan.threshold,
+                                                 whole.name in focus))
+                order = chosen[~done[chosen]]
+            if order.size == 0:
+                break
+            probe = ((probe_steps(attack, probes[attack.name]), focus[attack.name], closeness)
+                     if probed else None)
+            out = _run_stage(b, attack, k, order, best, *(r[k] for r in rows), probe=probe,
+                             first=first)
+            best, rows = out.best, rows.set(k, out, keep_success=first > 0)
+            grads = attack.steps_gradients(out.steps)
+            ran = np.zeros(batch, bool)
+            ran[order] = True
+            asked = np.where(ran, attack.steps_queries(out.steps), 0)
+            spent += grads + asked
+            gradients += grads
+            queries += asked
+            if left is not None:
+                left -= float(np.sum(grads + asked))
+            row_steps += out.row_steps * attack.num_restarts
+            stage = stage._replace(
+                rows=-(-row_steps // max(whole.num_steps * whole.num_restarts, 1)),
+                gradients=stage.gradients + int(np.sum(grads[real])),
+                queries=stage.queries + int(np.sum(asked[real])), cut=stage.cut + out.cut)
+        stages.append(stage)
     result = BundleResult(
         best=best, clean=clean, attack_success=rows.success, attack_distortion=rows.distortion,
         attack_step=rows.best_step, attack_improving=rows.improving,

@@ -245,10 +245,17 @@ def test_dry_run_prints_the_plan_it_would_run(capsys, tmp_path):
     assert printed["plan"] == expected.describe()
     assert printed["threat_model"]["preset"] == "mnist-linf"
     assert not (tmp_path / "report.json").exists()
-    # --schedule full on a cascade bundle drops the bundle's own focus and segments.
+    # --schedule full on a cascade bundle drops the bundle's own focus and segments, and the
+    # autoattack bundle's cascade of restarts (from Python too).
     assert main(["evaluate", "--dry-run", "--schedule", "full"]) == 0
     schedule = json.loads(capsys.readouterr().out)["plan"]["schedule"]
     assert (schedule["mode"], schedule["focus"], schedule["segments"]) == ("full", {}, 1)
+    for schedule, restarts in (("cascade", "cascade"), ("full", "vmap")):
+        assert main(["evaluate", "--dry-run", "--bundle", "autoattack", "--schedule",
+                     schedule]) == 0
+        printed = json.loads(capsys.readouterr().out)["plan"]
+        assert printed["run"]["restart_mode"] == restarts
+        assert printed == bundles.autoattack("linf", 0.3, mode=schedule).describe()
 
 
 def _toy():

@@ -557,3 +557,29 @@ def test_a_sweep_over_eps_reuses_every_program():
     assert acc == acc2 == pytest.approx(ok)  # nothing fooled at either radius
     # 65 with jax 0.10.2 (69 when a stage's last judging was a program of its own)
     assert 0 < first <= 70 and second == 0 and third == 0, runs
+
+
+def test_a_cascade_of_restarts_fools_what_the_restarts_at_once_fool_for_less():
+    """``restart_mode="cascade"`` runs APGD-T's targets one after another, each on what the
+    targets before left (as AutoAttack does): the same examples fooled, the same attack rows,
+    and each example pays the targets it met: all 3 if it survives, 1 or 2 if the first or the
+    second fooled it. Restart r keeps its number, so it aims at the r-th class: here the second
+    target fools 12 examples the first did not (every part run as restart 0 would miss them)."""
+    params, x, y, eps = _problem(n=48, seed=3)
+    atts = (suites.attack("apgd-t3", "linf", steps=4),)
+    at_once = _evaluate(params, x, y, atts, eps, mode="cascade")
+    one_by_one = _evaluate(params, x, y, atts, eps, mode="cascade", restart_mode="cascade")
+    pe, ref = one_by_one.per_example, at_once.per_example
+    for field in ("success", "attack_success"):
+        np.testing.assert_array_equal(pe[field], ref[field])
+    ran = ref["attack_step"][:, 0] != -2
+    fooled = ref["attack_success"][:, 0]
+    assert ran.sum() == 48 - (ref["clean_prediction"] != ref["label"]).sum()
+    np.testing.assert_array_equal(ref["gradients"][ran], 12)
+    np.testing.assert_array_equal(pe["gradients"][ran & ~fooled], 12)
+    paid = np.unique(pe["gradients"][ran & fooled], return_counts=True)
+    assert paid[0].tolist() == [4, 8] and paid[1][1] == 12
+    stages = one_by_one.metrics["schedule"]["stages"]
+    assert stages[0]["gradients"] == pe["gradients"].sum() < ref["gradients"].sum()
+    with pytest.raises(ValueError, match="restart_mode 'cascade' .* needs mode 'cascade'"):
+        _evaluate(params, x, y, atts, eps, restart_mode="cascade")
