@@ -40,7 +40,9 @@ NAME`` runs exactly the plan ``plan(NAME, norm, eps)`` with the flags given appl
     p_init 0.8, the schedule not rescaled), run as AutoAttack runs it, each attack only on the
     examples the earlier ones did not fool (a cascade), and APGD-T's and FAB-T's targets one
     after another, each on the examples the targets before did not fool (``restart_mode=
-    "cascade"``; run in full, every target on every example).
+    "cascade"``; run in full, every target on every example); the survivors compacted into 8
+    bucket sizes per halving of the batch (``buckets=8``: under 1/9 of a bucket padding, as
+    AutoAttack pads none).
 ``min-norm``
     The white-box minimum-norm attacks for the success-vs-distortion curve (L2: FMN, BP, CW,
     DeepFool; Linf: FMN, DeepFool).
@@ -68,6 +70,7 @@ class Bundle(NamedTuple):
     segments: int = 1
     probe: tuple[tuple[str, float], ...] = ()
     restart_mode: str = "vmap"  # "cascade": in a cascade, each restart on what the others left
+    buckets: int = 2  # compacted batch sizes per halving of the batch (a cascade's)
 
 
 def _a(name: str, only: tuple[str, ...] | None = None, **budget: int):
@@ -91,7 +94,7 @@ BUNDLES: dict[str, Bundle] = {
     )),
     "autoattack": Bundle(
         (_a("apgd-ce"), _a("apgd-t"), _a("fab-t"), _a("square-aa", queries=5000)),
-        mode="cascade", restart_mode="cascade",
+        mode="cascade", restart_mode="cascade", buckets=8,
     ),
     "black-box": Bundle((_a("square"), _a("rays", ("linf",)), _a("surfree", ("l2",)))),
     "min-norm": Bundle((_a("fmn"), _a("bp-variant", ("l2",)), _a("cw-l2-light", ("l2",)),
@@ -109,10 +112,12 @@ def plan(name: str, norm: str = "linf", eps: float | None = None, **fields: Any)
         raise ValueError(f"bundle {name!r} needs the threat model's eps")
     b = BUNDLES[name]
     attacks = tuple(spec for spec, only in b.attacks if only is None or norm in only)
-    # A cascade of restarts only in a cascade: the bundle run in full runs its restarts at once.
-    restart_mode = b.restart_mode if fields.get("mode", b.mode) == "cascade" else "vmap"
+    # Run in full, a cascade bundle runs its restarts at once, on the whole batch.
+    cascade = fields.get("mode", b.mode) == "cascade"
     base = Plan(eps=eps, norm=norm, attacks=attacks, bundle=name, mode=b.mode, focus=b.focus,
-                probe=b.probe, segments=b.segments, restart_mode=restart_mode)
+                probe=b.probe, segments=b.segments,
+                restart_mode=b.restart_mode if cascade else "vmap",
+                buckets=b.buckets if cascade else 2)
     return base.replace(**fields).check()
 
 

@@ -33,18 +33,19 @@ __all__ = ["build_plan", "main"]
 def build_plan(args: argparse.Namespace, norm: str, eps: float) -> Plan:
     """The plan the flags ask for: ``--bundle``'s (or ``--attacks``' in full mode) with every
     flag given applied to it, checked. ``--schedule full`` on a cascade bundle drops the
-    bundle's own focus, probe, segments and cascade of restarts; ``--focus`` and ``--probe``
-    add to the bundle's."""
+    bundle's own focus, probe, segments, buckets and cascade of restarts; ``--focus`` and
+    ``--probe`` add to the bundle's."""
     fields = {k: v for k, v in (
         ("steps", args.steps), ("restarts", args.restarts), ("step_size", args.step_size),
         ("queries", args.queries), ("threshold", args.threshold), ("budget", args.budget),
-        ("segments", args.segments), ("batch_size", args.batch_size), ("seed", args.seed),
+        ("segments", args.segments), ("buckets", args.buckets),
+        ("batch_size", args.batch_size), ("seed", args.seed),
         ("judging", args.judging), ("eot", args.eot), ("judge_calls", args.judge_calls),
         ("success_threshold", args.success_threshold)) if v is not None}
     base = (Plan(eps=eps, norm=norm, attacks=tuple(args.attacks)) if args.attacks
             else bundles.plan(args.bundle, norm, eps))
     if args.schedule is not None and args.schedule != base.mode:
-        base = base.replace(mode=args.schedule, focus=(), probe=(), segments=1,
+        base = base.replace(mode=args.schedule, focus=(), probe=(), segments=1, buckets=2,
                             restart_mode="vmap")
     if args.threshold is not None:
         fields["goal"] = "max_confidence"
@@ -225,6 +226,12 @@ def _threat_flags(ev: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         "--segments", type=_positive_int, default=None, metavar="N",
         help="cascade: run each attack's steps in N segments; an example fooled in one stops "
         "there (default: the bundle's own, 6 for default, else 1)",
+    )
+    threat.add_argument(
+        "--buckets", type=_positive_int, default=None, metavar="N",
+        help="cascade: compact the survivors into N batch sizes per halving of the batch "
+        "(padding under 1/(N+1) of a bucket; default: the bundle's own, 8 for autoattack, "
+        "else 2)",
     )
     return threat
 

@@ -8,7 +8,8 @@ A :class:`Plan` is frozen and hashable. It holds
   and the overrides ``steps``, ``restarts``, ``step_size``, ``queries`` of every named attack;
 * the schedule: ``mode`` (``"full"``: every attack on every example; ``"cascade"``: each on
   the examples whose ``goal`` the ones before left unsatisfied, see :mod:`jaxbundle.schedule`),
-  ``threshold`` (the max-confidence goal's t), ``budget``, ``focus`` and ``segments``;
+  ``threshold`` (the max-confidence goal's t), ``budget``, ``focus``, ``probe``, ``segments``
+  and ``buckets`` (the compacted batch sizes per halving of the batch: more, less padding);
 * the run options: ``batch_size``, ``seed``, ``unroll``, ``restart_mode`` (``"vmap"``;
   ``"map"``: one restart at a time, less memory; ``"cascade"``, in a cascade only: one restart
   at a time, each on the examples the ones before left, as AutoAttack runs APGD-T's and
@@ -43,6 +44,7 @@ __all__ = ["AttackSpec", "DEFAULT_GOALS", "MODES", "Plan"]
 DEFAULT_GOALS = ("misclassify", "max_confidence", "min_norm")
 MODES = ("full", "cascade")
 RESTART_MODES = ("vmap", "map", "cascade")
+MAX_BUCKETS = 64  # bucket sizes per halving of the batch, at most
 
 
 class AttackSpec(NamedTuple):
@@ -86,6 +88,7 @@ class Plan:
     focus: tuple[tuple[str, float], ...] = ()
     probe: tuple[tuple[str, float], ...] = ()
     segments: int = 1
+    buckets: int = 2
     batch_size: int = 250
     seed: int = 0
     unroll: int | bool = 1
@@ -101,8 +104,8 @@ class Plan:
         for field in ("eps", "step_size", "threshold", "budget", "success_threshold"):
             if _is_number(getattr(self, field)):  # numpy and JAX scalars: plain, hashable
                 set_(field, float(getattr(self, field)))
-        for field in ("steps", "restarts", "queries", "segments", "batch_size", "seed", "eot",
-                      "judge_calls"):
+        for field in ("steps", "restarts", "queries", "segments", "buckets", "batch_size", "seed",
+                      "eot", "judge_calls"):
             if _is_int(getattr(self, field)):
                 set_(field, int(getattr(self, field)))
         set_("attacks", tuple(AttackSpec(a) if isinstance(a, str) else a for a in attacks))
@@ -176,7 +179,8 @@ class Plan:
                           "step_size": self.step_size, "queries": self.queries},
             "schedule": {"mode": self.mode, "goal": self.goal, "threshold": self.threshold,
                          "budget": self.budget, "focus": self.focus_map,
-                         "probe": self.probe_map, "segments": self.segments},
+                         "probe": self.probe_map, "segments": self.segments,
+                         "buckets": self.buckets},
             "run": {"batch_size": self.batch_size, "seed": self.seed, "unroll": self.unroll,
                     "restart_mode": self.restart_mode},
             "stochastic": {"eot": self.eot, "judge_calls": self.judge_calls,
@@ -260,9 +264,13 @@ def _check_schedule(plan: Plan, attacks: tuple[Attack, ...]) -> None:
         raise ValueError(f"budget must be a number of model passes > 0, got {plan.budget!r}")
     if not _is_int(plan.segments) or plan.segments < 1:
         raise ValueError(f"segments must be a positive integer, got {plan.segments!r}")
+    if not _is_int(plan.buckets) or not 1 <= plan.buckets <= MAX_BUCKETS:
+        raise ValueError(f"buckets (bucket sizes per halving of the batch) must be an integer "
+                         f"in [1, {MAX_BUCKETS}], got {plan.buckets!r}")
     if plan.mode != "cascade":
         for field, given in (("focus", bool(plan.focus)), ("probe", bool(plan.probe)),
                              ("segments", plan.segments > 1),
+                             ("buckets", plan.buckets != 2),
                              ("budget", plan.budget is not None),
                              ("threshold", plan.threshold is not None),
                              ("goal", plan.goal != "misclassify")):

@@ -99,13 +99,14 @@ class Stage(NamedTuple):
 
 def bucket_sizes(batch_size: int, multiple: int = 1, per_halving: int = 2) -> tuple[int, ...]:
     """The compacted batch sizes a cascade may use, largest first: ``batch_size`` halved again
-    and again (rounded up), each with its 3/4 (rounded down) when ``per_halving=2``: 1, 3/4,
-    1/2, 3/8, 1/4, ..., then up to a multiple of ``multiple`` (the device count), down to
-    ``multiple``. Padding wastes under a third of a bucket (under a half with halves alone);
-    the halves are among the sizes with both."""
+    and again (rounded up), each with ``per_halving - 1`` sizes evenly between it and the next
+    half (rounded down; ``per_halving=2``: 1, 3/4, 1/2, 3/8, 1/4, ...), then up to a multiple of
+    ``multiple`` (the device count), down to ``multiple``. Padding wastes under
+    ``1 / (per_halving + 1)`` of a bucket (a third with 2 per halving, a half with halves
+    alone); the halves are among the sizes of every ladder."""
     sizes, half = set(), batch_size
     while True:
-        for ratio in (1.0, 0.75)[:per_halving]:
+        for ratio in (1 - i / (2 * per_halving) for i in range(per_halving)):
             size = max(multiple, -(-int(half * ratio) // multiple) * multiple)
             sizes.add(min(size, batch_size))
         if half <= multiple:
@@ -435,7 +436,8 @@ def cascade(plan: Plan, attacks: Sequence[Attack], apply_fn: Callable, params: A
     )
     multiple = 1 if mesh is None else mesh.devices.size
     b = _Batch(plan, apply_fn, params, x, y, key, example_id, eps, eps_aimed, goal_names,
-               bucket_sizes(batch, multiple), bucket_sizes(batch, multiple, per_halving=1),
+               bucket_sizes(batch, multiple, plan.buckets),
+               bucket_sizes(batch, multiple, per_halving=1),
                _host_reader(mesh))
     rows = _AttackRows.empty(len(attacks), batch)
     spent = np.zeros(batch, np.int64)  # model passes per example so far (host)

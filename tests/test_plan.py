@@ -188,6 +188,13 @@ _BAD = [
     (dict(mode="cascade", budget=0.0), "budget must be a number of model passes > 0", None),
     (dict(segments=3), "segments is a cascade setting", ["--segments", "3"]),
     (dict(mode="cascade", segments=0), "segments must be a positive integer", None),
+    (dict(buckets=4), "buckets is a cascade setting", ["--buckets", "4"]),
+    (dict(mode="cascade", buckets=65), "buckets (bucket sizes per halving of the batch) must be "
+     "an integer in [1, 64], got 65", None),
+    (dict(mode="cascade", restart_mode="cascade", buckets=0), "must be an integer in [1, 64]",
+     None),
+    (dict(restart_mode="cascade"), "restart_mode 'cascade' (each restart on the examples the "
+     "ones before left) needs mode 'cascade'", None),
     (dict(focus={"fgsm": 0.5}), "focus is a cascade setting", ["--focus", "fgsm=0.5"]),
     (dict(mode="cascade", focus={"fmn": 0.5}), "not in the plan",
      ["--schedule", "cascade", "--focus", "fmn=0.5"]),
@@ -294,10 +301,12 @@ def test_a_resumed_run_refuses_any_changed_plan_field(tmp_path):
         ("focus", {"pgd-ce": 0.5}, "plan.schedule.focus"),
         ("segments", 3, "plan.schedule.segments"),
         ("budget", 100.0, "plan.schedule.budget"),
+        ("buckets", 4, "plan.schedule.buckets"),
+        ("restart_mode", "cascade", "plan.run.restart_mode"),
     ]
     for field, value, path in changes:
         plan = base.replace(**{field: value})
-        if field in ("focus", "segments", "budget"):
+        if field in ("focus", "segments", "budget", "buckets", "restart_mode"):
             plan = plan.replace(**cascades)
         if field == "norm":
             plan = plan.replace(eps=1.0)

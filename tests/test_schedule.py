@@ -179,15 +179,16 @@ def test_bucket_sizes():
     assert bucket_sizes(256, per_halving=1) == (256, 128, 64, 32, 16, 8, 4, 2, 1)
     assert bucket_sizes(250, per_halving=1) == (250, 125, 63, 32, 16, 8, 4, 2, 1)
     assert bucket_sizes(12, per_halving=1) == (12, 6, 3, 2, 1)
+    assert bucket_sizes(256, per_halving=4)[:6] == (256, 224, 192, 160, 128, 112)
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.integers(1, 4096), st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 2]))
+@given(st.integers(1, 4096), st.sampled_from([1, 2, 4, 8]), st.sampled_from([1, 2, 3, 8]))
 def test_bucket_ladder_holds_every_count_with_bounded_padding(batch, devices, per_halving):
-    """Every survivor count fits a bucket; above the smallest bucket, the padding is under a
-    third of the bucket (under a half with halves alone); neighbours are at most a factor 2
-    apart; the halves are among the sizes with both; every bucket but the whole batch is a
-    multiple of the devices."""
+    """Every survivor count fits a bucket; above the smallest bucket, the padding is under
+    1 / (per_halving + 1) of the bucket (a third with 2 per halving, a half with halves alone);
+    neighbours are at most a factor 2 apart; the halves are among the sizes of every ladder;
+    every bucket but the whole batch is a multiple of the devices."""
     batch = max(batch - batch % devices, devices)
     sizes = bucket_sizes(batch, devices, per_halving)
     assert sizes[0] == batch and sizes[-1] == devices and list(sizes) == sorted(set(sizes))[::-1]
@@ -583,3 +584,11 @@ def test_a_cascade_of_restarts_fools_what_the_restarts_at_once_fool_for_less():
     assert stages[0]["gradients"] == pe["gradients"].sum() < ref["gradients"].sum()
     with pytest.raises(ValueError, match="restart_mode 'cascade' .* needs mode 'cascade'"):
         _evaluate(params, x, y, atts, eps, restart_mode="cascade")
+    # 8 bucket sizes per halving instead of 2: the same, on fewer padding rows.
+    finer = _evaluate(params, x, y, atts, eps, mode="cascade", restart_mode="cascade",
+                      buckets=8)
+    np.testing.assert_array_equal(finer.per_example["success"], pe["success"])
+    np.testing.assert_array_equal(finer.per_example["gradients"], pe["gradients"])
+    real = -(-stages[0]["gradients"] // (4 * 3))  # the real rows, in runs of 3 x 4 steps
+    rows = [ev.metrics["schedule"]["stages"][0]["rows"] for ev in (one_by_one, finer)]
+    assert real <= rows[1] < rows[0]
