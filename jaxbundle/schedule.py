@@ -10,8 +10,9 @@ attacks of a bundle one stage at a time on one batch:
    ``min_norm`` is never satisfied (a smaller distortion is always better), so every example
    stays. The other goals tracked are folded wherever an attack runs;
 2. the survivors are compacted into the smallest of a few fixed bucket sizes (``batch``,
-   ``3/4``, ``1/2``, ``3/8``, ``1/4`` of it, ...: :func:`bucket_sizes`; padded by repeating
-   the last survivor), so each attack compiles at most once per bucket size, never per batch;
+   ``3/4``, ``1/2``, ``3/8``, ``1/4`` of it, ...: :func:`bucket_sizes`, the plan's ``buckets``
+   sizes per halving; padded by repeating the last survivor), so each attack compiles at most
+   once per bucket size, never per batch;
 3. stage ``k`` is :func:`jaxbundle.bundler.bundle` with attack ``k`` alone, under the same
    per-example keys as in the full bundle (``fold_in(fold_in(key, example_id), k)``), and its
    verified results are folded into the batch's best states at the survivors' rows.
@@ -54,6 +55,13 @@ steps do not depend on the other rows, so the misclassify goal's fooled set is s
 bundle's; an example that stopped keeps the image of the segment that fooled it, where the full
 run might have gone on to a larger margin. Minimum-norm attacks always run whole (a smaller
 distortion is always better). Each example is charged the steps it ran.
+
+With ``restart_mode="cascade"``, a stage runs its attack's restarts one after another, each on
+the examples the restarts before left (as AutoAttack runs APGD-T's and FAB-T's targets), under
+the restart's own keys and number (the start program takes the first restart's number traced,
+so one program serves them all). Focus and budget choose the stage's examples once, before its
+first restart; the fooled set is the restarts-at-once stage's, for fewer passes where early
+restarts fool.
 
 One host sync per stage (the survivors' count), and one per segment; none per step.
 """
@@ -250,9 +258,10 @@ class _AttackRows(NamedTuple):
     def set(self, k: int, out: "_Outcome", keep_success: bool = False) -> "_AttackRows":
         """Attack ``k``'s rows from ``out``; with ``keep_success`` (a later restart of a
         cascade of restarts), an example an earlier restart fooled keeps that restart's row."""
-        kept = self.success[k] if keep_success else jnp.zeros_like(self.success[k])
-        return _AttackRows(*(getattr(self, f).at[k].set(
-            jnp.where(kept, getattr(self, f)[k], getattr(out, f))) for f in self._fields))
+        new = [getattr(out, f) for f in self._fields]
+        if keep_success:
+            new = [jnp.where(self.success[k], old[k], v) for old, v in zip(self, new)]
+        return _AttackRows(*(old.at[k].set(v) for old, v in zip(self, new)))
 
 
 def _padded(order: np.ndarray, size: int) -> np.ndarray:
@@ -411,8 +420,9 @@ def cascade(plan: Plan, attacks: Sequence[Attack], apply_fn: Callable, params: A
     Args:
       plan: a checked :class:`jaxbundle.Plan`: its threat model and schedule (``goal``,
         ``threshold``, ``budget``: model passes per example on average over the real rows,
-        ``focus``, ``segments``; see the module docstring), ``restart_mode`` (the stages loop
-        with ``lax.fori_loop``: ``unroll`` is the full bundle's).
+        ``focus``, ``segments``, ``buckets``; see the module docstring), ``restart_mode``
+        (``"cascade"``: a stage's restarts one after another; the stages loop with
+        ``lax.fori_loop``: ``unroll`` is the full bundle's).
       attacks: the plan's attacks as built for this model (EOT applied).
       apply_fn, params, x, y, key, example_id, eps: as in :func:`jaxbundle.bundler.bundle`.
       goal_names: the goals the bundle tracks (:func:`jaxbundle.bundler.goals_for`).
