@@ -468,3 +468,42 @@ def test_on_the_adversarially_trained_demo_cnn():
     apply_fn, params = models.load_or_train(models.ADVERSARIAL)
     r = _against_fgsm(apply_fn, params, test.x, test.y, 0.3, steps=20)
     assert np.asarray(r.attack_distortion)[1].max() < np.inf  # a result for every image
+
+
+def _water_level_reference(c, level, need):
+    """The water level by sorting the breakpoints, in float64 (numpy)."""
+    order = np.argsort(level, axis=1, kind="stable")
+    b = np.take_along_axis(level, order, axis=1)
+    w = np.take_along_axis(c, order, axis=1)
+    below = np.cumsum(w * b, axis=1) - w * b
+    tail = np.cumsum(w[:, ::-1], axis=1)[:, ::-1]
+    reached = below + b * tail
+    k = np.minimum(np.sum(reached < need[:, None], axis=1), b.shape[1] - 1)
+    rows = np.arange(len(k))
+    return np.maximum(need - below[rows, k], 0.0) / np.maximum(tail[rows, k], 1e-300)
+
+
+@pytest.mark.parametrize("dim", [784, 3072])
+def test_the_water_level_found_by_bisection_is_the_sorted_one(dim):
+    """At image sizes, with ties, zero weights and levels at 0 and 1 (pixels on the box's
+    faces), the bisection's level equals the sort's (float64) to float32 rounding."""
+    from jaxbundle.attacks.white_box.fab import _water_level
+
+    rng = np.random.default_rng(dim)
+    c = np.abs(rng.normal(size=(64, dim))).astype(np.float32)
+    c[:, ::7] = 0.0
+    level = rng.uniform(size=(64, dim)).astype(np.float32)
+    level[:, ::5] = np.round(level[:, ::5])
+    level[:, 1::11] = level[:, 1:2]  # ties
+    total = np.sum(c.astype(np.float64) * level, axis=1)
+    need = (total * rng.uniform(0.0, 1.0, size=64)).astype(np.float32)
+    need[:4] = [0.0, total[1] * 0.999999, 1e-7, total[3] * 1e-4]
+    lam, feasible = jax.jit(_water_level)(jnp.asarray(c), jnp.asarray(level), jnp.asarray(need))
+    assert np.asarray(feasible).all()
+    expected = _water_level_reference(c.astype(np.float64), level.astype(np.float64),
+                                      need.astype(np.float64))
+    np.testing.assert_allclose(np.asarray(lam), expected, rtol=2e-5, atol=1e-7)
+    over = jnp.asarray(total * 1.01, jnp.float32)  # beyond every level: saturated, infeasible
+    lam, feasible = _water_level(jnp.asarray(c), jnp.asarray(level), over)
+    assert not np.asarray(feasible).any()
+    np.testing.assert_array_equal(np.asarray(lam), level.max(1))
