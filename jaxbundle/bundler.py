@@ -34,9 +34,7 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxbundle import goals as goals_lib
-from jaxbundle import norms
-from jaxbundle import sampling
+from jaxbundle import goals as goals_lib, norms, sampling
 from jaxbundle.attacks.base import Attack, WhiteBoxModel, per_example_keys, threat_model
 from jaxbundle.canonical import canonical_convolutions
 from jaxbundle.goals import BestState
@@ -44,11 +42,9 @@ from jaxbundle.judge import STRETCH, check_judging, judged_on_grid, judged_score
 from jaxbundle.judge import held_out as judge_held_out
 from jaxbundle.validation import check_attacks, check_eot, check_inputs, goals_for
 
-__all__ = [
-    "BestState", "BundleResult", "fold", "candidate_state", "bundle", "check_attacks", "check_eot",
-    "goals_for", "check_inputs", "Running", "start_stage", "step_stage", "judge_stage",
-    "take_rows", "still_improving", "window_start", "held_out",
-]
+__all__ = ["BestState", "BundleResult", "fold", "candidate_state", "bundle", "check_attacks",
+           "check_eot", "goals_for", "check_inputs", "Running", "start_stage", "step_stage",
+           "judge_stage", "take_rows", "still_improving", "window_start", "held_out"]
 
 
 class BundleResult(NamedTuple):
@@ -160,12 +156,10 @@ def _seen(attack: Attack, model: WhiteBoxModel, restart_keys: jax.Array, call: i
     return threat_model(attack.kind, model.apply_fn, model.params, model.grid, keys, attack.eot)
 
 
-def _over_restarts(attack: Attack, restart_mode: str, fn: Callable, *stacked: Any,
-                   first: int | jax.Array = 0) -> Any:
+def _over_restarts(attack: Attack, restart_mode: str, fn: Callable, *stacked: Any, first=0):
     """``fn(restart, *args)`` over the leading restart axis ``[R]`` of ``stacked`` (``vmap``, or
-    one at a time with ``lax.map``), the restarts numbered from ``first``; the outputs are
-    stacked on ``[R]`` too. With one restart nothing is mapped: the arguments are squeezed and
-    the outputs expanded."""
+    one at a time with ``lax.map``), numbered from ``first``; the outputs stacked on ``[R]``.
+    With one restart nothing is mapped: the arguments squeezed, the outputs expanded."""
     restarts = first + jnp.arange(attack.num_restarts, dtype=jnp.int32)
     if attack.num_restarts == 1:
         out = fn(restarts[0], *jax.tree.map(lambda a: a[0], stacked))
@@ -183,8 +177,7 @@ class Running(NamedTuple):
     clean: BestState  # [B]: the clean image's candidate (every goal's starting best)
     keys: jax.Array  # [B]: the examples' keys (per_example_keys)
     early: jax.Array  # [R, B]: each restart's best margin before its last steps (WINDOW)
-    first: int | jax.Array = 0  # the index of its first restart (restarts run one at a time in
-    #   a cascade with ``restart_mode="cascade"``: see :mod:`jaxbundle.schedule`)
+    first: int | jax.Array = 0  # its first restart's number (restart_mode="cascade": schedule)
 
 
 def _start_attack(
@@ -192,9 +185,8 @@ def _start_attack(
     y: jax.Array, eps: jax.Array, clean: BestState, goal_names: tuple[str, ...],
     restart_mode: str, first: int | jax.Array = 0,
 ) -> Running:
-    """Every restart's initial state (restarts ``first, first + 1, ...``), with the clean image
-    as every goal's best (a stochastic model's clean image as a 0-or-1 success rate, as the
-    attack's own candidates are scored)."""
+    """Every restart's initial state (numbered from ``first``), the clean image every goal's
+    best (a stochastic model's as a 0-or-1 success rate, as the attack's candidates are)."""
 
     def one_restart(restart):
         restart_keys = _restart_keys(keys, index, restart)
@@ -446,8 +438,8 @@ _STAGE_STATIC = ("apply_fn", "attack", "index", "goal_names", "norm", "judging",
 def start_stage(params, x, y, key, example_id, eps, first=0, *, apply_fn, attack, index,
                 goal_names, norm, judging, restart_mode) -> Running:
     """A cascade's stage run in segments: attack ``index`` initialised on a bucket of rows,
-    with the same keys as in the full bundle (see :mod:`jaxbundle.schedule`); its restarts
-    numbered from ``first`` (traced: every restart of a cascade of restarts is one program)."""
+    with the same keys as in the full bundle (see :mod:`jaxbundle.schedule`), its restarts
+    numbered from ``first`` (traced: one program for every part of a cascade of restarts)."""
     keys = per_example_keys(key, example_id)
     x, y, eps, _, model = _setup(params, x, y, eps, apply_fn, norm, judging, keys)
     return _start_attack(attack, index, model, keys, x, y, eps, clean_state(model, x, y, norm),
@@ -484,9 +476,9 @@ def take_rows(running: Running, positions: jax.Array) -> Running:
     """The rows ``positions`` of a stage mid-run (axis 1 of the restart-stacked leaves)."""
     pick = lambda a: jnp.take(a, positions, axis=1)  # noqa: E731
     rows = lambda a: jnp.take(a, positions, axis=0)  # noqa: E731
-    return Running(jax.tree.map(pick, running.state), jax.tree.map(pick, running.best),
-                   jax.tree.map(rows, running.clean), rows(running.keys), pick(running.early),
-                   running.first)
+    state, best, early = jax.tree.map(pick, (running.state, running.best, running.early))
+    return running._replace(state=state, best=best, early=early,
+                            clean=jax.tree.map(rows, running.clean), keys=rows(running.keys))
 
 
 def held_out(result: BundleResult, params: Any, x: jax.Array, y: jax.Array, key: jax.Array,

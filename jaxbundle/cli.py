@@ -197,6 +197,11 @@ def _threat_flags(ev: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         help="judge on the 8-bit grid where the clean image is on it, else in float32 (auto); "
         "require the grid (grid); or judge everything in float32 (float)",
     )
+    _schedule_flags(threat)
+    return threat
+
+
+def _schedule_flags(threat: argparse._ArgumentGroup) -> None:
     threat.add_argument(
         "--schedule", choices=MODES, default=None,
         help="full: every attack on every example (the many-attack table); cascade: each "
@@ -233,7 +238,6 @@ def _threat_flags(ev: argparse.ArgumentParser) -> argparse._ArgumentGroup:
         "(padding under 1/(N+1) of a bucket; default: the bundle's own, 8 for autoattack, "
         "else 2)",
     )
-    return threat
 
 
 def _stochastic_flags(ev: argparse.ArgumentParser, threat: argparse._ArgumentGroup) -> None:

@@ -411,6 +411,41 @@ def _stage_rows(b: _Batch, attack: Attack, order: np.ndarray, closeness: np.ndar
     return order
 
 
+def _stage(b: _Batch, k: int, whole: Attack, chosen: np.ndarray, survivors: int,
+           closeness: np.ndarray, best, rows: _AttackRows, real: np.ndarray):
+    """Stage ``k``: attack ``whole`` on the rows ``chosen`` (of ``survivors``), whole or, with
+    ``restart_mode="cascade"``, restart by restart on what the restarts before left; a probed
+    stage (the plan's ``probe``) starts each part with its probe. Returns the batch's bests and
+    attack rows, the :class:`Stage` and the gradients and queries each example paid (host
+    ``[B]``)."""
+    plan, batch = b.plan, int(b.y.shape[0])
+    focus, probes = plan.focus_map, plan.probe_map
+    grads, asked = np.zeros(batch, np.int64), np.zeros(batch, np.int64)
+    stage, row_steps = Stage(k, int(chosen.size), 0, 0, 0, survivors), 0
+    for attack, first in _restart_parts(whole, plan.restart_mode):
+        order = chosen
+        if first:  # a later restart of a cascade of restarts: on what the others left
+            done, closeness = b.host(_status(best, b.eps, plan.goal, plan.threshold,
+                                             whole.name in focus))
+            order = chosen[~done[chosen]]
+        if order.size == 0:
+            break
+        probe = ((probe_steps(attack, probes[attack.name]), focus[attack.name], closeness)
+                 if attack.name in probes else None)
+        out = _run_stage(b, attack, k, order, best, *(r[k] for r in rows), probe=probe,
+                         first=first)
+        best, rows = out.best, rows.set(k, out, keep_success=first > 0)
+        ran = np.zeros(batch, bool)
+        ran[order] = True
+        grads += attack.steps_gradients(out.steps)
+        asked += np.where(ran, attack.steps_queries(out.steps), 0)
+        row_steps += out.row_steps * attack.num_restarts
+        stage = stage._replace(cut=stage.cut + out.cut)
+    stage = stage._replace(rows=-(-row_steps // max(whole.num_steps * whole.num_restarts, 1)),
+                           gradients=int(np.sum(grads[real])), queries=int(np.sum(asked[real])))
+    return best, rows, stage, grads, asked
+
+
 def cascade(plan: Plan, attacks: Sequence[Attack], apply_fn: Callable, params: Any,
             x: jax.Array, y: jax.Array, key: jax.Array, example_id: jax.Array, eps: jax.Array,
             *, goal_names: tuple[str, ...], mask: np.ndarray | None = None,
@@ -456,40 +491,19 @@ def cascade(plan: Plan, attacks: Sequence[Attack], apply_fn: Callable, params: A
     left = None if plan.budget is None else float(plan.budget) * int(real.sum())
     stages = []
     for k, whole in enumerate(attacks):
-        probed = whole.name in probes  # focus after a probe, by the stage's own progress
         done, closeness = b.host(_status(best, eps, plan.goal, plan.threshold,
                                          whole.name in focus))
         survivors = np.flatnonzero(real & ~done)
         chosen = _stage_rows(b, whole, survivors, closeness,
-                             None if probed else focus.get(whole.name), left, spent)
-        stage, row_steps = Stage(k, int(chosen.size), 0, 0, 0, survivors.size), 0
-        for attack, first in _restart_parts(whole, plan.restart_mode):
-            order = chosen
-            if first:  # a later restart of a cascade of restarts: on what the others left
-                done, closeness = b.host(_status(best, eps, plan.goal, plan.threshold,
-                                                 whole.name in focus))
-                order = chosen[~done[chosen]]
-            if order.size == 0:
-                break
-            probe = ((probe_steps(attack, probes[attack.name]), focus[attack.name], closeness)
-                     if probed else None)
-            out = _run_stage(b, attack, k, order, best, *(r[k] for r in rows), probe=probe,
-                             first=first)
-            best, rows = out.best, rows.set(k, out, keep_success=first > 0)
-            grads = attack.steps_gradients(out.steps)
-            ran = np.zeros(batch, bool)
-            ran[order] = True
-            asked = np.where(ran, attack.steps_queries(out.steps), 0)
-            spent += grads + asked
-            gradients += grads
-            queries += asked
-            if left is not None:
-                left -= float(np.sum(grads + asked))
-            row_steps += out.row_steps * attack.num_restarts
-            stage = stage._replace(
-                rows=-(-row_steps // max(whole.num_steps * whole.num_restarts, 1)),
-                gradients=stage.gradients + int(np.sum(grads[real])),
-                queries=stage.queries + int(np.sum(asked[real])), cut=stage.cut + out.cut)
+                             None if whole.name in probes else focus.get(whole.name), left,
+                             spent)
+        best, rows, stage, grads, asked = _stage(b, k, whole, chosen, survivors.size, closeness,
+                                                 best, rows, real)
+        spent += grads + asked
+        gradients += grads
+        queries += asked
+        if left is not None:
+            left -= float(np.sum(grads + asked))
         stages.append(stage)
     result = BundleResult(
         best=best, clean=clean, attack_success=rows.success, attack_distortion=rows.distortion,
