@@ -2,7 +2,7 @@
 
 FAB projects twice per step onto the linearised boundary within the box
 (:func:`jaxbundle.attacks.white_box.fab.project_hyperplane`). This times, in one process,
-medians over ``--repeats`` calls:
+medians over ``--repeats`` interleaved rounds (``harness.run_interleaved``):
 
 * ``projection``: one jitted projection of ``--batch`` rows of ``D`` pixels (28x28 grey and
   32x32x3 colour), Linf and L2;
@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import flax.linen as nn
 import jax
@@ -27,6 +25,7 @@ import numpy as np
 
 import jaxbundle
 from jaxbundle import AttackSpec
+from harness import medians, run_interleaved
 from jaxbundle.attacks.white_box.fab import project_hyperplane
 
 
@@ -40,18 +39,8 @@ class _ColourCNN(nn.Module):
         return nn.Dense(10)(x.reshape(x.shape[0], -1))
 
 
-def _median_seconds(fn, repeats: int) -> float:
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def projections(batch: int, repeats: int) -> list[dict]:
-    rows = []
+    variants = {}
     for dim in (28 * 28, 32 * 32 * 3):
         k = jax.random.split(jax.random.key(0), 3)
         t = jax.random.uniform(k[0], (batch, dim))
@@ -59,9 +48,11 @@ def projections(batch: int, repeats: int) -> list[dict]:
         r = jax.random.normal(k[2], (batch,))
         for norm in ("linf", "l2"):
             f = jax.jit(lambda t, w, r, norm=norm: project_hyperplane(t, w, r, norm))
-            rows.append({"what": "projection", "dim": dim, "norm": norm,
-                         "ms": 1e3 * _median_seconds(lambda: f(t, w, r), repeats)})
-    return rows
+            variants[(dim, norm)] = lambda f=f, t=t, w=w, r=r: f(t, w, r)
+    seconds = medians(run_interleaved({f"{d} {n}": v for (d, n), v in variants.items()},
+                                      repeats, "projection"))
+    return [{"what": "projection", "dim": d, "norm": n, "ms": 1e3 * seconds[f"{d} {n}"]}
+            for d, n in variants]
 
 
 def attacks(batch: int, steps: int, repeats: int) -> list[dict]:
@@ -71,8 +62,9 @@ def attacks(batch: int, steps: int, repeats: int) -> list[dict]:
     apply_fn = jax.jit(module.apply)
     y = np.asarray(apply_fn(params, x)).argmax(1)  # every example correct: every one attacked
     floor = jax.jit(jax.grad(lambda p, xb: apply_fn(p, xb).sum(), argnums=1))
-    floor_s = _median_seconds(lambda: floor(params, x), repeats)
-    rows = []
+    floor_s = medians(run_interleaved({"floor": lambda: floor(params, x)}, repeats,
+                                      "floor"))["floor"]
+    runs, gradients = {}, {}
     for norm, eps in (("linf", 8 / 255), ("l2", 0.5)):
         for spec in (AttackSpec("apgd-t", steps=steps), AttackSpec("fab-t", steps=steps)):
             plan = jaxbundle.Plan(eps=eps, norm=norm, attacks=(spec,), goals=("misclassify",),
@@ -82,12 +74,13 @@ def attacks(batch: int, steps: int, repeats: int) -> list[dict]:
                 return jaxbundle.evaluate(apply_fn, params, (x, y), plan, mesh=None,
                                           keep_images=False)
 
-            gradients = int(run().per_example["gradients"].sum())
-            seconds = _median_seconds(lambda run=run: run().metrics, max(1, repeats // 10))
-            rows.append({"what": spec.name, "norm": norm, "seconds": seconds,
-                         "us_per_gradient": 1e6 * seconds / gradients,
-                         "floor_us_per_gradient": 1e6 * floor_s / batch})
-    return rows
+            gradients[(spec.name, norm)] = int(run().per_example["gradients"].sum())
+            runs[f"{spec.name} {norm}"] = lambda run=run: run().metrics
+    seconds = medians(run_interleaved(runs, max(1, repeats // 10), "attacks"))
+    return [{"what": name, "norm": norm, "seconds": seconds[f"{name} {norm}"],
+             "us_per_gradient": 1e6 * seconds[f"{name} {norm}"] / count,
+             "floor_us_per_gradient": 1e6 * floor_s / batch}
+            for (name, norm), count in gradients.items()]
 
 
 def main(argv=None) -> None:
