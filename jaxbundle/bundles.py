@@ -2,8 +2,10 @@
 
 ``plan(name, norm, eps, **fields)`` (or the function of that name: ``default(norm, eps)``,
 ``autoattack(norm, eps)``, ``black_box(norm, eps)``, ...) returns the bundle's plan; any field
-of it can be changed there or later with :meth:`Plan.replace`. ``jaxbundle evaluate --bundle
-NAME`` runs exactly the plan ``plan(NAME, norm, eps)`` with the flags given applied to it.
+of it can be changed there or later with :meth:`Plan.replace`; ``mode="full"`` on a cascade
+bundle drops its own cascade settings. ``jaxbundle evaluate --bundle NAME`` runs exactly the
+plan ``plan(NAME, norm, eps)`` with the flags given applied to it (``--schedule S``:
+``plan(NAME, norm, eps, mode=S)``).
 
 ``standard``
     At least AutoAttack's white-box part (Croce & Hein 2020): APGD-CE (100 steps) and APGD-T
@@ -112,12 +114,12 @@ def plan(name: str, norm: str = "linf", eps: float | None = None, **fields: Any)
         raise ValueError(f"bundle {name!r} needs the threat model's eps")
     b = BUNDLES[name]
     attacks = tuple(spec for spec, only in b.attacks if only is None or norm in only)
-    # Run in full, a cascade bundle runs its restarts at once, on the whole batch.
-    cascade = fields.get("mode", b.mode) == "cascade"
-    base = Plan(eps=eps, norm=norm, attacks=attacks, bundle=name, mode=b.mode, focus=b.focus,
-                probe=b.probe, segments=b.segments,
-                restart_mode=b.restart_mode if cascade else "vmap",
-                buckets=b.buckets if cascade else 2)
+    # Run in full, a cascade bundle keeps none of its own cascade settings (focus, probe,
+    # segments, buckets, cascade of restarts): every attack, restarts at once, on every example.
+    own = b if fields.get("mode", b.mode) == "cascade" else Bundle(b.attacks)
+    base = Plan(eps=eps, norm=norm, attacks=attacks, bundle=name, mode=b.mode, focus=own.focus,
+                probe=own.probe, segments=own.segments, restart_mode=own.restart_mode,
+                buckets=own.buckets)
     return base.replace(**fields).check()
 
 

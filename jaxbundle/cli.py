@@ -33,8 +33,8 @@ __all__ = ["build_plan", "main"]
 def build_plan(args: argparse.Namespace, norm: str, eps: float) -> Plan:
     """The plan the flags ask for: ``--bundle``'s (or ``--attacks``' in full mode) with every
     flag given applied to it, checked. ``--schedule full`` on a cascade bundle drops the
-    bundle's own focus, probe, segments, buckets and cascade of restarts; ``--focus`` and
-    ``--probe`` add to the bundle's."""
+    bundle's own cascade settings (:func:`jaxbundle.bundles.plan`); ``--focus`` and ``--probe``
+    add to the bundle's."""
     fields = {k: v for k, v in (
         ("steps", args.steps), ("restarts", args.restarts), ("step_size", args.step_size),
         ("queries", args.queries), ("threshold", args.threshold), ("budget", args.budget),
@@ -42,11 +42,9 @@ def build_plan(args: argparse.Namespace, norm: str, eps: float) -> Plan:
         ("batch_size", args.batch_size), ("seed", args.seed),
         ("judging", args.judging), ("eot", args.eot), ("judge_calls", args.judge_calls),
         ("success_threshold", args.success_threshold)) if v is not None}
-    base = (Plan(eps=eps, norm=norm, attacks=tuple(args.attacks)) if args.attacks
-            else bundles.plan(args.bundle, norm, eps))
-    if args.schedule is not None and args.schedule != base.mode:
-        base = base.replace(mode=args.schedule, focus=(), probe=(), segments=1, buckets=2,
-                            restart_mode="vmap")
+    mode = {} if args.schedule is None else {"mode": args.schedule}
+    base = (Plan(eps=eps, norm=norm, attacks=tuple(args.attacks), **mode) if args.attacks
+            else bundles.plan(args.bundle, norm, eps, **mode))
     if args.threshold is not None:
         fields["goal"] = "max_confidence"
     if args.focus:

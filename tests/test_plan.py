@@ -255,8 +255,10 @@ def test_dry_run_prints_the_plan_it_would_run(capsys, tmp_path):
     # --schedule full on a cascade bundle drops the bundle's own focus and segments, and the
     # autoattack bundle's cascade of restarts (from Python too).
     assert main(["evaluate", "--dry-run", "--schedule", "full"]) == 0
-    schedule = json.loads(capsys.readouterr().out)["plan"]["schedule"]
+    printed = json.loads(capsys.readouterr().out)["plan"]
+    schedule = printed["schedule"]
     assert (schedule["mode"], schedule["focus"], schedule["segments"]) == ("full", {}, 1)
+    assert printed == bundles.default("linf", 0.3, mode="full").describe()
     for schedule, restarts in (("cascade", "cascade"), ("full", "vmap")):
         assert main(["evaluate", "--dry-run", "--bundle", "autoattack", "--schedule",
                      schedule]) == 0
