@@ -210,14 +210,27 @@ def normalize(g: jax.Array, name: str) -> jax.Array:
 # ---------------------------------------------------------------------------------------------
 # The 8-bit pixel grid.
 #
-# Grid values come from a table computed in numpy: XLA's k / 255 is not always the correctly
-# rounded float32 that uint8 / 255 gives, and a clean image must map to itself exactly.
+# Grid values are the correctly rounded float32 of k / 255, what uint8 / 255 gives in numpy
+# (_GRID). XLA compiles k / 255 as k * float32(1 / 255), one ulp above it for 126 of the 256
+# levels, and a clean image must map to itself exactly. A table lookup inside the attacks'
+# fused loops is a gather, the slowest part of rounding on XLA:CPU (benchmarks/grid_cost.py),
+# so _grid_value computes the table's value instead: the product, one ulp down exactly where it
+# is one too high. That is where k (below 255) has the second bit of its binary expansion set
+# (k in [3, 3], [6, 7], [12, 15], ..., [192, 254]): bit 22 of k's float32 pattern, the first
+# bit of its mantissa. The product is an IEEE float32 multiplication, rounded alike on every
+# backend, and consumed only through a bitcast, so it is never fused into an FMA.
 _GRID = np.arange(PIXEL_LEVELS + 1, dtype=np.float32) / np.float32(PIXEL_LEVELS)
+_INVERSE_LEVELS = np.float32(1.0 / PIXEL_LEVELS)
 
 
 def _grid_value(k: jax.Array) -> jax.Array:
-    """float32 pixel values of integer levels ``k`` (float or int), clipped to ``[0, 255]``."""
-    return jnp.asarray(_GRID)[jnp.clip(k, 0, PIXEL_LEVELS).astype(jnp.int32)]
+    """float32 pixel values of integer levels ``k`` (float or int), clipped to ``[0, 255]``:
+    exactly ``_GRID[k]`` (tested on every level), without a gather."""
+    k = jnp.floor(jnp.clip(jnp.asarray(k, jnp.float32), 0.0, float(PIXEL_LEVELS)))
+    product = jax.lax.bitcast_convert_type(k * _INVERSE_LEVELS, jnp.int32)
+    mantissa_bit = jax.lax.bitcast_convert_type(k, jnp.int32) >> 22
+    high = mantissa_bit & (k < PIXEL_LEVELS).astype(jnp.int32)
+    return jax.lax.bitcast_convert_type(product - high, jnp.float32)
 
 
 def on_grid(x0: jax.Array) -> jax.Array:

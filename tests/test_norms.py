@@ -444,6 +444,23 @@ def quantize_case(draw, off_grid=False):
     return x0, x, eps, name
 
 
+def test_grid_values_are_uint8_over_255_on_every_level():
+    """The gather-free grid value equals numpy's correctly rounded ``uint8 / 255`` on all 256
+    levels (126 of which XLA's ``k * float32(1 / 255)`` misses by an ulp), as float or int
+    levels, eagerly and inside jit; non-integers are floored and outside levels clipped, as the
+    table lookup did."""
+    table = np.arange(256, dtype=np.uint8).astype(np.float32) / np.float32(255)
+    k = np.arange(256)
+    product = np.asarray(jax.jit(lambda v: v * np.float32(1 / 255))(k.astype(np.float32)))
+    assert np.sum(product != table) == 126  # the trap the function exists for is real
+    for levels in (k.astype(np.float32), k.astype(np.int32)):
+        np.testing.assert_array_equal(np.asarray(norms._grid_value(jnp.asarray(levels))), table)
+        np.testing.assert_array_equal(np.asarray(jax.jit(norms._grid_value)(levels)), table)
+    odd = np.array([-3.0, -0.5, 0.4, 2.999, 254.5, 255.0, 255.7, 300.0], np.float32)
+    expected = table[np.clip(np.floor(np.clip(odd, 0, 255)), 0, 255).astype(int)]
+    np.testing.assert_array_equal(np.asarray(jax.jit(norms._grid_value)(odd)), expected)
+
+
 @given(case=quantize_case())
 def test_quantize_on_grid_in_box_and_in_ball(case):
     x0, x, eps, name = case
