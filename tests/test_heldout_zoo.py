@@ -196,3 +196,34 @@ def test_torch_copy_computes_the_same_logits(name, resnet):
     import torch_copy
 
     assert torch_copy.check_torch_copy(name, module.apply, variables, x) < 1e-4
+
+
+def test_agreement_counts_reference_disagreement_and_consensus_misses(tmp_path):
+    """benchmarks/heldout/agreement.py: pairwise disagreement of the reference runs, the
+    consensus (fooled by every reference run) and a candidate's misses against each, on
+    verdicts whose answers are counted by hand."""
+    import json
+
+    import agreement
+
+    torch_aa = np.array([0, 0, 0, 1, 1, 0], bool)  # robust per example
+    seed0 = np.array([0, 0, 1, 1, 0, 0], bool)  # example 2 kept, example 4 fooled
+    candidate = np.array([1, 0, 1, 1, 0, 0], bool)  # example 0: fooled by both references
+    out = agreement.compare({"torchattacks": torch_aa, "autoattack seed 0": seed0},
+                            {"default seed 0": candidate})
+    assert out["pairs"] == [{"first": "torchattacks", "second": "autoattack seed 0",
+                             "first_only": 1, "second_only": 1}]
+    assert out["fooled_by_every_reference"] == 3 and out["fooled_by_any_reference"] == 5
+    assert out["candidates"]["default seed 0"] == {
+        "robust_accuracy": 50.0, "missed": 2, "missed_of_consensus": 1}
+    # The files: torchattacks' verdicts from the cache, the bundle's rows by seed.
+    key = "heldout_m_l2_1.500000_n6"
+    (tmp_path / f"{key}.json").write_text(json.dumps({"robust": torch_aa.astype(int).tolist()}))
+    rows = [{"set": "heldout", "model": "m", "norm": "l2", "eps": 1.5, "n": 6, "candidate": c,
+             "seed": 0, "robust": "".join("1" if v else "0" for v in r)}
+            for c, r in (("autoattack", seed0), ("default", candidate))]
+    (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    loaded = agreement.load([str(tmp_path / "rows.jsonl")], str(tmp_path))
+    references, candidates = loaded[key]
+    assert list(references) == ["torchattacks", "autoattack seed 0"]
+    assert agreement.compare(references, candidates) == out

@@ -10,9 +10,11 @@ are reported and the targets. For every (model, norm, eps) of a set this script
    misclassified), and records which of its attacks fooled each example; cached per setting
    under ``--aa-cache``;
 3. runs each candidate bundle through ``jaxbundle.evaluate`` exactly as the CLI runs it (goal
-   misclassify, batch = n, seed 0), model passes counted at the model boundary, timed cold
-   (first call in the process for that setting) and warm (median of ``--rounds``);
-4. appends one JSON line per (setting, candidate) to ``--out``.
+   misclassify, batch = n, seed ``--seed``, 0 by default), model passes counted at the model
+   boundary, timed cold (first call in the process for that setting) and warm (median of
+   ``--rounds``);
+4. appends one JSON line per (setting, candidate) to ``--out``, with its per-example verdicts
+   (``robust``: a string of 0/1), so that runs under other seeds can be compared.
 
 Candidates are named bundles (``default``) or variants from ``--variants FILE.jsonl``, one JSON
 object a line: ``{"name": "v1", "bundle": [["apgd-ce", {"steps": 20}], ...], "focus":
@@ -186,8 +188,8 @@ def register(variant: dict) -> str:
     return name
 
 
-def _plan(name, norm, eps, n, extra):
-    return bundles.plan(name, norm, eps, goals=("misclassify",), batch_size=n, seed=0,
+def _plan(name, norm, eps, n, extra, seed=0):
+    return bundles.plan(name, norm, eps, goals=("misclassify",), batch_size=n, seed=seed,
                         **extra)
 
 
@@ -196,11 +198,11 @@ def _robust(result) -> np.ndarray:
     return (pe["clean_prediction"] == pe["label"]) & ~pe["success"].astype(bool)
 
 
-def run_candidate(name, extra, apply_fn, params, x, y, eps, norm, rounds, aa) -> dict:
+def run_candidate(name, extra, apply_fn, params, x, y, eps, norm, rounds, aa, seed=0) -> dict:
     """One candidate: its first call in the process (cold, timed), a run with the model passes
     counted at the model boundary, then ``rounds`` warm timed runs; compared with AutoAttack's
     per-example verdicts ``aa``."""
-    plan = _plan(name, norm, eps, len(y), extra)
+    plan = _plan(name, norm, eps, len(y), extra, seed)
 
     def evaluate(fn):
         return jaxbundle.evaluate(fn, params, (x, y), plan, mesh=None, keep_images=False)
@@ -234,6 +236,7 @@ def run_candidate(name, extra, apply_fn, params, x, y, eps, norm, rounds, aa) ->
         "warm_ratio": statistics.median(warm) / aa["seconds"] if warm else None,
         "stages": [{k: s.get(k) for k in ("attack", "survivors", "examples", "robust_accuracy")}
                    for s in stages],
+        "seed": seed, "robust": "".join("1" if r else "0" for r in robust),
     }
 
 
@@ -271,7 +274,7 @@ def run(args, candidates: list[tuple[str, dict]], log: Callable[[str], None]) ->
                     f" {aa['passes_per_example']:.0f} passes/ex){note}")
                 for name, extra in candidates:
                     row = run_candidate(name, extra, apply_fn, params, x, y, eps, norm,
-                                        args.rounds, aa)
+                                        args.rounds, aa, args.seed)
                     log(f"  {name}: {row['robust_accuracy']:.1f} %, missed {row['missed']} "
                         f"{row['missed_by_aa_attack']}, extra {row['extra']}, passes "
                         f"{row['passes_ratio']:.3f}, warm {row['warm_ratio']}, cold "
@@ -317,6 +320,7 @@ def main(argv=None) -> None:
     parser.add_argument("--variants", default=None, metavar="JSONL")
     parser.add_argument("--n", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0, help="the candidates' plan seed")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--aa-cache", default=None, metavar="DIR")
     parser.add_argument("--out", default=None, metavar="JSONL")

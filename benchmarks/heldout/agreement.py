@@ -1,0 +1,97 @@
+"""How far AutoAttack agrees with itself, per example, and where a candidate falls short of it.
+
+The held-out targets count, per setting, the examples AutoAttack fools that a candidate does not
+(``missed``). AutoAttack is randomised (APGD's starts, Square's squares) and chaotic (FAB's
+steps), so two runs of it disagree on some examples too; this script puts that floor beside the
+candidates' counts. It reads ``run.py --out`` files (rows carry per-example verdicts,
+``robust``) and AutoAttack's cache (``--aa-cache``, torchattacks' run), treats torchattacks'
+run and every row of the ``autoattack`` bundle (any seed) as a reference run, and prints per
+setting:
+
+* each pair of reference runs: the examples the first fools and the second does not, and back;
+* the examples every reference run fools (the consensus) and those any of them fools;
+* each candidate: robust %, missed against torchattacks' run (the protocol's count), and
+  missed among the consensus (examples no reference run left robust).
+
+    python benchmarks/heldout/agreement.py --aa-cache benchmarks/results/heldout/aa \\
+        benchmarks/results/heldout/agreement.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+
+import numpy as np
+
+REFERENCE = "autoattack"
+
+
+def setting_key(row: dict) -> str:
+    """The AutoAttack cache key of a row's setting (``run.py``'s)."""
+    return f"{row['set']}_{row['model']}_{row['norm']}_{row['eps']:.6f}_n{row['n']}"
+
+
+def robust(row: dict) -> np.ndarray:
+    return np.array([c == "1" for c in row["robust"]])
+
+
+def compare(references: dict[str, np.ndarray], candidates: dict[str, np.ndarray]) -> dict:
+    """Per-example agreement of ``references`` (name -> robust [n]) and each candidate."""
+    pairs = [{"first": a, "second": b, "first_only": int(np.sum(~ra & rb)),
+              "second_only": int(np.sum(ra & ~rb))}
+             for (a, ra), (b, rb) in itertools.combinations(references.items(), 2)]
+    stack = np.stack(list(references.values()))
+    consensus, union = ~np.any(stack, 0), ~np.all(stack, 0)
+    first = next(iter(references.values()))
+    return {
+        "pairs": pairs, "fooled_by_every_reference": int(consensus.sum()),
+        "fooled_by_any_reference": int(union.sum()),
+        "candidates": {name: {"robust_accuracy": 100 * float(r.mean()),
+                              "missed": int(np.sum(r & ~first)),
+                              "missed_of_consensus": int(np.sum(r & consensus))}
+                       for name, r in candidates.items()},
+    }
+
+
+def load(paths: list[str], aa_cache: str) -> dict[str, tuple[dict, dict]]:
+    """``{setting: (references, candidates)}`` from ``run.py --out`` files: references are
+    torchattacks' AutoAttack (from the cache) and every ``autoattack`` row, named by seed."""
+    settings: dict[str, tuple[dict, dict]] = {}
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                row = json.loads(line)
+                key = setting_key(row)
+                if key not in settings:
+                    with open(os.path.join(aa_cache, f"{key}.json")) as g:
+                        aa = np.array(json.load(g)["robust"], bool)
+                    settings[key] = ({"torchattacks": aa}, {})
+                references, candidates = settings[key]
+                name = f"{row['candidate']} seed {row.get('seed', 0)}"
+                (references if row["candidate"] == REFERENCE else candidates)[name] = robust(row)
+    return settings
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="+", metavar="JSONL")
+    parser.add_argument("--aa-cache", required=True, metavar="DIR")
+    args = parser.parse_args(argv)
+    for key, (references, candidates) in load(args.files, args.aa_cache).items():
+        out = compare(references, candidates)
+        print(f"{key}: {len(references)} reference runs; fooled by every one "
+              f"{out['fooled_by_every_reference']}, by any {out['fooled_by_any_reference']}")
+        for p in out["pairs"]:
+            print(f"  {p['first']} vs {p['second']}: {p['first_only']} / {p['second_only']}")
+        for name, c in out["candidates"].items():
+            print(f"  {name}: {c['robust_accuracy']:.1f} %, missed {c['missed']}, of the "
+                  f"consensus {c['missed_of_consensus']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""Tuning-set variants of the ``default`` tried for a third design (2026-12-06; none adopted).
+
+Each variant is the default bundle with one change, run by ``run.py``'s machinery on the tuning
+set of ``PROTOCOL.md`` (goal misclassify, n = 256, seed 0, no warm rounds), its rows appended to
+``--out`` with per-example verdicts. A variant name is ``+``-joined parts:
+
+* ``base``: the default as it is;
+* the L2 FAB stage (``fab-t3``: 3 targets x 50 steps, one pass per step) replaced by
+  ``fresh`` (3 x 50, the reference's order: a fresh gradient after a step back), ``t5`` /
+  ``t9`` (5 / 9 targets x 50, one pass), ``t9l`` (9 x 100, one pass) or ``aafab``
+  (AutoAttack's FAB-T: 9 x 100, the reference's order);
+* ``cap``: a focused stage runs on the focus fraction of the *batch* when more survivors than
+  that are left, else on all survivors (:func:`capped`, patched into ``jaxbundle.schedule``);
+* ``nofocus``: the white-box stages (``apgd-ce-long``, ``apgd-t5``) on every survivor;
+* ``probeF,P``: the FAB stage probed like Square (its first ``P`` of steps on every survivor,
+  then ``F`` of them, more when the probe fooled some).
+
+    python benchmarks/heldout/tuning_v3.py aafab --models adversarial --norms l2 --eps 1.5 \\
+        --aa-cache benchmarks/results/heldout/aa --out benchmarks/results/heldout/tuning-v3.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
+
+import run  # noqa: E402
+
+from jaxbundle import attacks as attacks_lib  # noqa: E402
+from jaxbundle import bundles, schedule, suites  # noqa: E402
+from jaxbundle.plan import AttackSpec  # noqa: E402
+
+FABS = {"fresh": ("fab-t3f", 3, 50, True), "t5": ("fab-t5", 5, 50, False),
+        "t9": ("fab-t9", 9, 50, False), "t9l": ("fab-t9l", 9, 100, False)}
+_FOCUS_SIZE = schedule._focus_size
+
+
+def _register_fab(name: str, targets: int, steps: int, fresh: bool) -> None:
+    def make(norm, steps_=None, restarts=None, step_size=None):
+        del steps_, restarts, step_size
+        return attacks_lib.fab(norm, steps=steps, targets=targets, fresh_gradient=fresh,
+                               name=name)
+
+    suites.ATTACKS[name] = lambda norm, steps=None, restarts=None, step_size=None: make(norm)
+
+
+def capped(ladders, fraction: float, survivors: int) -> int:
+    """Focus as a cap: ``fraction`` of the batch (rounded as the schedule rounds), all
+    survivors when fewer, never fewer than the schedule's own rule keeps."""
+    sizes, halves = ladders
+    cap = schedule._bucket(halves, schedule._nearest_bucket(sizes, fraction * max(sizes)))
+    return min(survivors, max(_FOCUS_SIZE(ladders, fraction, survivors), cap))
+
+
+def variant(name: str) -> str:
+    """Registers the variant ``name`` as a bundle; returns the bundle's name."""
+    parts = name.split("+")
+    b = bundles.BUNDLES["default"]
+    fab = "fab-t" if "aafab" in parts else None
+    for part in parts:
+        if part in FABS:
+            _register_fab(*FABS[part])
+            fab = FABS[part][0]
+    attacks = tuple((AttackSpec(fab, steps=100) if fab and s.name == "fab-t3" else s, only)
+                    for s, only in b.attacks)
+    focus, probe = dict(b.focus), dict(b.probe)
+    for part in parts:
+        if part.startswith("probe"):
+            share, steps = part[len("probe"):].split(",")
+            focus[fab], probe[fab] = float(share), float(steps)
+    if "nofocus" in parts:
+        focus.pop("apgd-ce-long")
+        focus.pop("apgd-t5")
+    if "cap" in parts:
+        schedule._focus_size = capped
+    bundles.BUNDLES[f"variant-{name}"] = b._replace(
+        attacks=attacks, focus=tuple(focus.items()), probe=tuple(probe.items()))
+    return f"variant-{name}"
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("variant")
+    parser.add_argument("--models", default="adversarial")
+    parser.add_argument("--norms", default="l2")
+    parser.add_argument("--eps", default=None)
+    parser.add_argument("--aa-cache", required=True, metavar="DIR")
+    parser.add_argument("--out", required=True, metavar="JSONL")
+    args = parser.parse_args(argv)
+    import torch
+
+    torch.set_num_threads(2)
+    args.set, args.n, args.rounds, args.seed = "tuning", 256, 0, 0
+    run.run(args, [(variant(args.variant), {})], lambda line: print(line, flush=True))
+
+
+if __name__ == "__main__":
+    main()
