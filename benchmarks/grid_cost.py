@@ -78,8 +78,9 @@ def main(argv=None) -> None:
                               attacks=(AttackSpec("square-aa", queries=args.queries),))
         variants = {}
         for label, grid_value in (("table", _table), ("computed", _COMPUTED)):
-            # a fresh apply function per variant, so that each compiles under its grid value
-            apply_fn = (lambda v, a, m=module: m.apply(v, a))
+            def apply_fn(v, a, m=module):  # a fresh one per variant: each compiles anew
+                return m.apply(v, a)
+
             variants[f"square {label}"] = _with(grid_value, lambda f=apply_fn: jaxbundle.evaluate(
                 f, params, (x0, y), plan, mesh=None, keep_images=False).metrics["robust_accuracy"])
         res = run_interleaved(variants, args.repeats, f"square {norm}")
