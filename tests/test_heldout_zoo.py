@@ -223,7 +223,7 @@ def test_agreement_counts_reference_disagreement_and_consensus_misses(tmp_path):
              "seed": 0, "robust": "".join("1" if v else "0" for v in r)}
             for c, r in (("autoattack", seed0), ("default", candidate))]
     (tmp_path / "rows.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    loaded = agreement.load([str(tmp_path / "rows.jsonl")], str(tmp_path))
+    loaded = agreement.load([str(tmp_path / "rows.jsonl")], [str(tmp_path), str(tmp_path / "none")])
     references, candidates = loaded[key]
     assert list(references) == ["torchattacks", "autoattack seed 0"]
     assert agreement.compare(references, candidates) == out

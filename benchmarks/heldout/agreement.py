@@ -4,17 +4,17 @@ The held-out targets count, per setting, the examples AutoAttack fools that a ca
 (``missed``). AutoAttack is randomised (APGD's starts, Square's squares) and chaotic (FAB's
 steps), so two runs of it disagree on some examples too; this script puts that floor beside the
 candidates' counts. It reads ``run.py --out`` files (rows carry per-example verdicts,
-``robust``) and AutoAttack's cache (``--aa-cache``, torchattacks' run), treats torchattacks'
-run and every row of the ``autoattack`` bundle (any seed) as a reference run, and prints per
-setting:
+``robust``) and AutoAttack's caches (``--aa-cache``, one directory per torchattacks run; the
+first is the protocol's), treats each torchattacks run and every row of the ``autoattack``
+bundle (any seed) as a reference run, and prints per setting:
 
 * each pair of reference runs: the examples the first fools and the second does not, and back;
 * the examples every reference run fools (the consensus) and those any of them fools;
-* each candidate: robust %, missed against torchattacks' run (the protocol's count), and
-  missed among the consensus (examples no reference run left robust).
+* each candidate: robust %, missed against the first torchattacks run (the protocol's count),
+  and missed among the consensus (examples no reference run left robust).
 
-    python benchmarks/heldout/agreement.py --aa-cache benchmarks/results/heldout/aa \\
-        benchmarks/results/heldout/agreement.jsonl
+    python benchmarks/heldout/agreement.py benchmarks/results/heldout/agreement.jsonl \\
+        --aa-cache benchmarks/results/heldout/aa benchmarks/results/heldout/aa-autoattack-v2
 """
 
 from __future__ import annotations
@@ -56,9 +56,10 @@ def compare(references: dict[str, np.ndarray], candidates: dict[str, np.ndarray]
     }
 
 
-def load(paths: list[str], aa_cache: str) -> dict[str, tuple[dict, dict]]:
+def load(paths: list[str], aa_caches: list[str]) -> dict[str, tuple[dict, dict]]:
     """``{setting: (references, candidates)}`` from ``run.py --out`` files: references are
-    torchattacks' AutoAttack (from the cache) and every ``autoattack`` row, named by seed."""
+    torchattacks' AutoAttack (each cache holding the setting) and every ``autoattack`` row,
+    named by seed."""
     settings: dict[str, tuple[dict, dict]] = {}
     for path in paths:
         with open(path) as f:
@@ -68,19 +69,30 @@ def load(paths: list[str], aa_cache: str) -> dict[str, tuple[dict, dict]]:
                 row = json.loads(line)
                 key = setting_key(row)
                 if key not in settings:
-                    with open(os.path.join(aa_cache, f"{key}.json")) as g:
-                        aa = np.array(json.load(g)["robust"], bool)
-                    settings[key] = ({"torchattacks": aa}, {})
+                    settings[key] = (_torchattacks_runs(key, aa_caches), {})
                 references, candidates = settings[key]
                 name = f"{row['candidate']} seed {row.get('seed', 0)}"
                 (references if row["candidate"] == REFERENCE else candidates)[name] = robust(row)
     return settings
 
 
+def _torchattacks_runs(key: str, aa_caches: list[str]) -> dict[str, np.ndarray]:
+    runs = {}
+    for i, cache in enumerate(aa_caches):
+        path = os.path.join(cache, f"{key}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                runs["torchattacks" + (f" {i + 1}" if i else "")] = np.array(
+                    json.load(f)["robust"], bool)
+    if not runs:
+        raise SystemExit(f"no AutoAttack run of {key} in {', '.join(aa_caches)}")
+    return runs
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("files", nargs="+", metavar="JSONL")
-    parser.add_argument("--aa-cache", required=True, metavar="DIR")
+    parser.add_argument("--aa-cache", required=True, nargs="+", metavar="DIR")
     args = parser.parse_args(argv)
     for key, (references, candidates) in load(args.files, args.aa_cache).items():
         out = compare(references, candidates)

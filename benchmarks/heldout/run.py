@@ -250,8 +250,21 @@ def _screen(apply_fn, params, x, y, eps, norm) -> float:
                                                   keep_images=False)).mean())
 
 
+def _done(paths: list[str]) -> set[tuple[str, str, str, str]]:
+    """(model, norm, eps, candidate) of the rows already in ``paths`` (``--skip-done``)."""
+    done = set()
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                if line.strip():
+                    r = json.loads(line)
+                    done.add((r["model"], r["norm"], f"{r['eps']:.6f}", r["candidate"]))
+    return done
+
+
 def run(args, candidates: list[tuple[str, dict]], log: Callable[[str], None]) -> None:
     settings = {s.model: s for s in SETS[args.set]}
+    done = _done(getattr(args, "skip_done", None) or [])
     for name in (args.models.split(",") if args.models else settings):
         setting = settings[name]
         jax.clear_caches()  # a long run compiles many programs: keep the process's maps few
@@ -261,6 +274,11 @@ def run(args, candidates: list[tuple[str, dict]], log: Callable[[str], None]) ->
                 if args.eps and not any(abs(eps - float(e)) < 1e-4 for e in args.eps.split(",")):
                     continue
                 label = f"{setting.model} {norm} {eps:.4f}"
+                todo = [(c, e) for c, e in candidates
+                        if (setting.model, norm, f"{eps:.6f}", c) not in done]
+                if not todo:
+                    log(f"{label}: done already")
+                    continue
                 screen = _screen(apply_fn, params, x, y, eps, norm)
                 if screen < 2:
                     log(f"{label}: APGD-CE-20 leaves {screen:.1f} % robust: skipped")
@@ -272,7 +290,7 @@ def run(args, candidates: list[tuple[str, dict]], log: Callable[[str], None]) ->
                 note = "" if reported else " [not reported]"
                 log(f"{label}: AutoAttack {aa['robust_accuracy']:.1f} % ({aa['seconds']:.0f} s,"
                     f" {aa['passes_per_example']:.0f} passes/ex){note}")
-                for name, extra in candidates:
+                for name, extra in todo:
                     row = run_candidate(name, extra, apply_fn, params, x, y, eps, norm,
                                         args.rounds, aa, args.seed)
                     log(f"  {name}: {row['robust_accuracy']:.1f} %, missed {row['missed']} "
@@ -324,6 +342,8 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--aa-cache", default=None, metavar="DIR")
     parser.add_argument("--out", default=None, metavar="JSONL")
+    parser.add_argument("--skip-done", nargs="*", default=[], metavar="JSONL",
+                        help="skip the (setting, candidate) pairs these result files hold")
     parser.add_argument("--table", default=None, metavar="JSONL",
                         help="print the markdown table of an --out file and exit")
     args = parser.parse_args(argv)
