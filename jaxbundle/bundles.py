@@ -71,6 +71,7 @@ class Bundle(NamedTuple):
     focus: tuple[tuple[str, float], ...] = ()
     segments: int = 1
     probe: tuple[tuple[str, float], ...] = ()
+    escalate: tuple[tuple[str, float], ...] = ()
     restart_mode: str = "vmap"  # "cascade": in a cascade, each restart on what the others left
     buckets: int = 2  # compacted batch sizes per halving of the batch (a cascade's)
 
@@ -115,11 +116,14 @@ def plan(name: str, norm: str = "linf", eps: float | None = None, **fields: Any)
     b = BUNDLES[name]
     attacks = tuple(spec for spec, only in b.attacks if only is None or norm in only)
     # Run in full, a cascade bundle keeps none of its own cascade settings (focus, probe,
-    # segments, buckets, cascade of restarts): every attack, restarts at once, on every example.
+    # escalate, segments, buckets, cascade of restarts): every attack, restarts at once, on
+    # every example. Settings of an attack the norm leaves out go with it.
     own = b if fields.get("mode", b.mode) == "cascade" else Bundle(b.attacks)
-    base = Plan(eps=eps, norm=norm, attacks=attacks, bundle=name, mode=b.mode, focus=own.focus,
-                probe=own.probe, segments=own.segments, restart_mode=own.restart_mode,
-                buckets=own.buckets)
+    names = {spec.name for spec in attacks}
+    kept = lambda pairs: tuple((n, v) for n, v in pairs if n in names)  # noqa: E731
+    base = Plan(eps=eps, norm=norm, attacks=attacks, bundle=name, mode=b.mode,
+                focus=kept(own.focus), probe=kept(own.probe), escalate=kept(own.escalate),
+                segments=own.segments, restart_mode=own.restart_mode, buckets=own.buckets)
     return base.replace(**fields).check()
 
 

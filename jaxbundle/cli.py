@@ -33,8 +33,8 @@ __all__ = ["build_plan", "main"]
 def build_plan(args: argparse.Namespace, norm: str, eps: float) -> Plan:
     """The plan the flags ask for: ``--bundle``'s (or ``--attacks``' in full mode) with every
     flag given applied to it, checked. ``--schedule full`` on a cascade bundle drops the
-    bundle's own cascade settings (:func:`jaxbundle.bundles.plan`); ``--focus`` and ``--probe``
-    add to the bundle's."""
+    bundle's own cascade settings (:func:`jaxbundle.bundles.plan`); ``--focus``, ``--probe`` and
+    ``--escalate`` add to the bundle's."""
     fields = {k: v for k, v in (
         ("steps", args.steps), ("restarts", args.restarts), ("step_size", args.step_size),
         ("queries", args.queries), ("threshold", args.threshold), ("budget", args.budget),
@@ -51,6 +51,8 @@ def build_plan(args: argparse.Namespace, norm: str, eps: float) -> Plan:
         fields["focus"] = tuple({**base.focus_map, **dict(args.focus)}.items())
     if args.probe:
         fields["probe"] = tuple({**base.probe_map, **dict(args.probe)}.items())
+    if args.escalate:
+        fields["escalate"] = tuple({**base.escalate_map, **dict(args.escalate)}.items())
     return base.replace(**fields).check()
 
 
@@ -224,6 +226,11 @@ def _schedule_flags(threat: argparse._ArgumentGroup) -> None:
         "--probe", type=_probe, action="append", default=[], metavar="ATTACK=FRACTION",
         help="cascade: run that fraction of ATTACK's steps on every survivor, then its focus "
         "share goes on, half by its own progress; repeatable; default: the bundle's own",
+    )
+    threat.add_argument(
+        "--escalate", type=_focus, action="append", default=[], metavar="ATTACK=SHARE",
+        help="cascade: run ATTACK only when the stage before it fooled at least SHARE of the "
+        "examples it ran on; repeatable; default: the bundle's own",
     )
     threat.add_argument(
         "--segments", type=_positive_int, default=None, metavar="N",

@@ -8,8 +8,10 @@ A :class:`Plan` is frozen and hashable. It holds
   and the overrides ``steps``, ``restarts``, ``step_size``, ``queries`` of every named attack;
 * the schedule: ``mode`` (``"full"``: every attack on every example; ``"cascade"``: each on
   the examples whose ``goal`` the ones before left unsatisfied, see :mod:`jaxbundle.schedule`),
-  ``threshold`` (the max-confidence goal's t), ``budget``, ``focus``, ``probe``, ``segments``
-  and ``buckets`` (the compacted batch sizes per halving of the batch: more, less padding);
+  ``threshold`` (the max-confidence goal's t), ``budget``, ``focus``, ``probe``, ``escalate``
+  (stages that run only when the stage before them fooled enough of what it ran on),
+  ``segments`` and ``buckets`` (the compacted batch sizes per halving of the batch: more, less
+  padding);
 * the run options: ``batch_size``, ``seed``, ``unroll``, ``restart_mode`` (``"vmap"``;
   ``"map"``: one restart at a time, less memory; ``"cascade"``, in a cascade only: one restart
   at a time, each on the examples the ones before left, as AutoAttack runs APGD-T's and
@@ -87,6 +89,7 @@ class Plan:
     budget: float | None = None
     focus: tuple[tuple[str, float], ...] = ()
     probe: tuple[tuple[str, float], ...] = ()
+    escalate: tuple[tuple[str, float], ...] = ()
     segments: int = 1
     buckets: int = 2
     batch_size: int = 250
@@ -110,7 +113,7 @@ class Plan:
                 set_(field, int(getattr(self, field)))
         set_("attacks", tuple(AttackSpec(a) if isinstance(a, str) else a for a in attacks))
         set_("goals", (self.goals,) if isinstance(self.goals, str) else tuple(self.goals))
-        for field in ("focus", "probe"):
+        for field in ("focus", "probe", "escalate"):
             pairs = getattr(self, field)
             pairs = pairs.items() if isinstance(pairs, dict) else pairs
             set_(field, tuple((str(k), v) for k, v in pairs))
@@ -129,6 +132,12 @@ class Plan:
         """``probe`` as a dict (attack name -> the fraction of its steps every survivor runs
         before focus chooses: :func:`jaxbundle.schedule.probe_steps`)."""
         return dict(self.probe)
+
+    @property
+    def escalate_map(self) -> dict[str, float]:
+        """``escalate`` as a dict (attack name -> the share of the examples the stage before it
+        ran on that this stage must have fooled for it to run: :func:`jaxbundle.schedule`)."""
+        return dict(self.escalate)
 
     def attack_values(self) -> tuple[Attack, ...]:
         """The attacks built for the plan's norm, named as in the plan (built once per distinct
@@ -179,7 +188,8 @@ class Plan:
                           "step_size": self.step_size, "queries": self.queries},
             "schedule": {"mode": self.mode, "goal": self.goal, "threshold": self.threshold,
                          "budget": self.budget, "focus": self.focus_map,
-                         "probe": self.probe_map, "segments": self.segments,
+                         "probe": self.probe_map, "escalate": self.escalate_map,
+                         "segments": self.segments,
                          "buckets": self.buckets},
             "run": {"batch_size": self.batch_size, "seed": self.seed, "unroll": self.unroll,
                     "restart_mode": self.restart_mode},
@@ -269,6 +279,7 @@ def _check_schedule(plan: Plan, attacks: tuple[Attack, ...]) -> None:
                          f"in [1, {MAX_BUCKETS}], got {plan.buckets!r}")
     if plan.mode != "cascade":
         for field, given in (("focus", bool(plan.focus)), ("probe", bool(plan.probe)),
+                             ("escalate", bool(plan.escalate)),
                              ("segments", plan.segments > 1),
                              ("buckets", plan.buckets != 2),
                              ("budget", plan.budget is not None),
@@ -286,10 +297,25 @@ def _check_schedule(plan: Plan, attacks: tuple[Attack, ...]) -> None:
     if len({n for n, _ in plan.focus}) != len(plan.focus):
         raise ValueError(f"focus names an attack twice: {[n for n, _ in plan.focus]}")
     _check_probe(plan, attacks)
+    _check_escalate(plan, names)
     if plan.focus and goals_lib.GOALS[plan.goal].satisfied is None:
         can = [g.name for g in goals_lib.GOALS.values() if g.satisfied is not None]
         raise ValueError(f"focus needs a goal that can be satisfied ({' or '.join(can)}), "
                          f"not {plan.goal}")
+
+
+def _check_escalate(plan: Plan, names: list[str]) -> None:
+    for name, share in plan.escalate:
+        if name not in names:
+            raise ValueError(f"escalate names attack {name!r}, which is not in the plan {names}")
+        if names.index(name) == 0:
+            raise ValueError(f"escalate: {name!r} is the first stage; it runs on what the stage "
+                             "before it fooled, and there is none")
+        if not _is_number(share) or not 0 < share <= 1:
+            raise ValueError(f"escalate of {name!r} must be a share in (0, 1] of the examples the "
+                             f"stage before it ran on, got {share!r}")
+    if len({n for n, _ in plan.escalate}) != len(plan.escalate):
+        raise ValueError(f"escalate names an attack twice: {[n for n, _ in plan.escalate]}")
 
 
 def _check_probe(plan: Plan, attacks: tuple[Attack, ...]) -> None:

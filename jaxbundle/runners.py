@@ -176,8 +176,8 @@ def _cascade_figures(plan: Plan, metrics: dict, per_example: dict, attacks, stag
         "stages left survivors unattacked or stopped them after a probe ("
         + ", ".join(f"{r['attack']}: {r['skipped'] + r['cut']} of {r['survivors']}"
                     for r in rows if r["skipped"] + r["cut"])
-        + "; focus, probe or budget): the robust accuracy is an upper bound that running those "
-        "stages in full on every survivor could lower")
+        + "; focus, probe, escalate or budget): the robust accuracy is an upper bound that "
+        "running those stages in full on every survivor could lower")
     out = {
         "schedule": dict(plan.describe()["schedule"], stages=rows, skipped=skipped,
                          statement=statement),

@@ -40,6 +40,11 @@ most promising under the earlier stages and half the rows whose own best closed 
 fraction of their clean margin. A black-box stage, the check against gradients that mislead
 the white-box stages, is then not starved by the white-box margin it exists to doubt.
 
+With ``escalate`` (attack name -> a share), that attack's stage runs only when the stage just
+before it fooled at least that share of the examples it ran on, and is skipped otherwise: an
+expensive stage held back for the models that need it, such as a full FAB-T after a light one
+that fooled many of the survivors APGD left (gradients that mislead APGD on that model).
+
 With ``budget`` (model passes per example, averaged over the batch), a stage that cannot be
 paid for every survivor runs on the survivors that have had the least compute so far (the
 paper's least-run-first rule), the others wait for the next stage.
@@ -380,6 +385,13 @@ def _restart_parts(attack: Attack, restart_mode: str) -> list[tuple[Attack, int]
     return [(attack._replace(num_restarts=1), r) for r in range(attack.num_restarts)]
 
 
+def escalates(before: Stage, survivors: int, share: float) -> bool:
+    """Whether a stage with ``escalate`` share ``share`` runs: the stage ``before`` it fooled at
+    least that share of the examples it ran on (``before.survivors - survivors`` of
+    ``before.examples``; a stage that ran on none is no evidence)."""
+    return before.examples > 0 and before.survivors - survivors >= share * before.examples
+
+
 def probe_steps(attack: Attack, fraction: float) -> int:
     """The steps of a probe of ``fraction`` of ``attack``'s steps: rounded, at least 1 and
     fewer than all (the plan's check requires 2 steps or more)."""
@@ -472,7 +484,7 @@ def cascade(plan: Plan, attacks: Sequence[Attack], apply_fn: Callable, params: A
       each example really cost) and one :class:`Stage` per attack.
     """
     attacks, focus, batch = tuple(attacks), plan.focus_map, int(y.shape[0])
-    probes = plan.probe_map
+    probes, escalate = plan.probe_map, plan.escalate_map
     real = np.ones(batch, bool) if mask is None else np.asarray(mask, bool)
     eps = jnp.broadcast_to(jnp.asarray(eps, jnp.float32), y.shape)
     best, clean, eps_aimed, grid = _start(
@@ -494,7 +506,9 @@ def cascade(plan: Plan, attacks: Sequence[Attack], apply_fn: Callable, params: A
         done, closeness = b.host(_status(best, eps, plan.goal, plan.threshold,
                                          whole.name in focus))
         survivors = np.flatnonzero(real & ~done)
-        chosen = _stage_rows(b, whole, survivors, closeness,
+        held_back = whole.name in escalate and not escalates(stages[-1], survivors.size,
+                                                             escalate[whole.name])
+        chosen = _stage_rows(b, whole, survivors[:0] if held_back else survivors, closeness,
                              None if whole.name in probes else focus.get(whole.name), left,
                              spent)
         best, rows, stage, grads, asked = _stage(b, k, whole, chosen, survivors.size, closeness,

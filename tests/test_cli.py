@@ -45,6 +45,7 @@ def test_attacks_lists_every_attack(capsys):
         (["evaluate", "--bundle", "strong"], "invalid choice"),
         (["evaluate", "--focus", "square-aa"], "ATTACK=FRACTION"),
         (["evaluate", "--focus", "square-aa=1.5"], "ATTACK=FRACTION"),
+        (["evaluate", "--escalate", "square-aa=0"], "ATTACK=FRACTION"),
         (["evaluate", "--queries", "0"], "positive integer"),
     ],
 )
@@ -69,6 +70,8 @@ def test_bad_flags_exit_2_with_a_message(argv, message, capsys):
         (["evaluate", "--focus", "square-aa=0.5", "--schedule", "full"], "needs mode='cascade'"),
         (["evaluate", "--bundle", "broad", "--focus", "fmn=0.5"], "needs mode='cascade'"),
         (["evaluate", "--bundle", "broad", "--segments", "3"], "needs mode='cascade'"),
+        (["evaluate", "--escalate", "apgd-ce=0.5"], "'apgd-ce' is the first stage"),
+        (["evaluate", "--bundle", "broad", "--escalate", "fmn=0.5"], "needs mode='cascade'"),
         (["evaluate", "--bundle", "broad", "--budget", "100"], "needs mode='cascade'"),
         (["evaluate", "--attacks", "fgsm,fgsm"], "attack names must be unique"),
         (["evaluate", "--queries", "1"], "square-aa needs queries to be an integer >= 2"),

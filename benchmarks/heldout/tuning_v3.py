@@ -12,6 +12,8 @@ set of ``PROTOCOL.md`` (goal misclassify, n = 256, seed 0, no warm rounds), its 
 * ``cap``: a focused stage runs on the focus fraction of the *batch* when more survivors than
   that are left, else on all survivors (:func:`capped`, patched into ``jaxbundle.schedule``);
 * ``nofocus``: the white-box stages (``apgd-ce-long``, ``apgd-t5``) on every survivor;
+* ``esc``: AutoAttack's FAB-T (9 x 100, the reference's order) after ``fab-t3``, run only
+  when ``fab-t3`` fooled 5 % or more of the examples it ran on (``Plan.escalate``);
 * ``probeF,P``: the FAB stage probed like Square (its first ``P`` of steps on every survivor,
   then ``F`` of them, more when the probe fooled some).
 
@@ -75,10 +77,16 @@ def variant(name: str) -> str:
     if "nofocus" in parts:
         focus.pop("apgd-ce-long")
         focus.pop("apgd-t5")
+    escalate = {}
+    if "esc" in parts:  # AutoAttack's FAB-T after fab-t3, run when fab-t3 fooled 5 % or more
+        at = [s.name for s, _ in attacks].index("fab-t3") + 1
+        attacks = attacks[:at] + ((AttackSpec("fab-t", steps=100), ("l2",)),) + attacks[at:]
+        escalate["fab-t"] = 0.05
     if "cap" in parts:
         schedule._focus_size = capped
     bundles.BUNDLES[f"variant-{name}"] = b._replace(
-        attacks=attacks, focus=tuple(focus.items()), probe=tuple(probe.items()))
+        attacks=attacks, focus=tuple(focus.items()), probe=tuple(probe.items()),
+        escalate=tuple(escalate.items()))
     return f"variant-{name}"
 
 
