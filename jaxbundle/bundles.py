@@ -22,7 +22,11 @@ plan ``plan(NAME, norm, eps)`` with the flags given applied to it (``--schedule 
     (``apgd-ce-long``) and APGD-T (``apgd-t5``: 5 targets x 40 steps), each on the more
     promising half of the survivors (rounded as :mod:`jaxbundle.schedule` says); in L2, FAB-T with 3
     targets x 50 steps (``fab-t3``) on every survivor (on the tuning set, AutoAttack's FAB-T
-    fooled most of what the APGD stages missed in L2); then AutoAttack's Square (``square-aa``:
+    fooled most of what the APGD stages missed in L2), and when it fools 5 % or more of them
+    (gradients that mislead APGD on this model) AutoAttack's FAB-T (``fab-t``: 9 targets x 100,
+    the reference's order) on the survivors left (the plan's ``escalate``; on the tuning set's
+    Linf-trained CNN only that full FAB-T found what AutoAttack's does); then AutoAttack's
+    Square (``square-aa``:
     5,000 queries, p_init 0.8), the score-based check against gradient masking: its first 5 %
     (250 queries) on every survivor (the plan's ``probe``), then on 6 % of them, half the most
     promising under the earlier stages and half those Square itself brought furthest, and on
@@ -86,9 +90,10 @@ BUNDLES: dict[str, Bundle] = {
     "pgd": Bundle((_a("fgsm"), _a("pgd-ce", restarts=3), _a("pgd-margin", restarts=3))),
     "default": Bundle(
         (_a("apgd-ce", steps=20), _a("apgd-ce-long", steps=100), _a("apgd-t5", steps=40),
-         _a("fab-t3", ("l2",), steps=50), _a("square-aa", queries=5000)),
+         _a("fab-t3", ("l2",), steps=50), _a("fab-t", ("l2",), steps=100),
+         _a("square-aa", queries=5000)),
         mode="cascade", focus=(("apgd-ce-long", 0.5), ("apgd-t5", 0.5), ("square-aa", 0.06)),
-        segments=6, probe=(("square-aa", 0.05),),
+        segments=6, probe=(("square-aa", 0.05),), escalate=(("fab-t", 0.05),),
     ),
     "broad": Bundle((
         _a("fgsm"), _a("pgd-ce", restarts=3), _a("pgd-margin", restarts=3), _a("fmn"),

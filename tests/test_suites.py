@@ -114,14 +114,15 @@ def test_autoattack_bundle_has_autoattacks_original_parameters():
 
 def test_default_bundle_is_a_focused_cascade_within_its_stated_share_of_autoattacks_budget():
     """The main job's default: APGD-CE 20; APGD-CE 100 and APGD-T 5 x 40 on the more promising
-    half of the survivors; in L2, FAB-T 3 x 50 on every survivor; AutoAttack's Square probed
-    for 250 queries on every survivor, then on 6 % of them; stages in 6 segments. On an example
-    no attack fools (the probe fooling none) it spends under a tenth of what AutoAttack spends
-    in Linf, and under 0.14 in L2, where FAB-T costs more (model passes: a gradient is a
+    half of the survivors; in L2, FAB-T 3 x 50 on every survivor, then AutoAttack's FAB-T only
+    when that one fooled 5 % of them (escalate); AutoAttack's Square probed for 250 queries on
+    every survivor, then on 6 % of them; stages in 6 segments. On an example no attack fools
+    (nothing escalated, the probe fooling none) it spends under a tenth of what AutoAttack
+    spends in Linf, and under 0.14 in L2, where FAB-T costs more (model passes: a gradient is a
     forward and a backward)."""
     for norm, share in (("linf", 0.1), ("l2", 0.14)):
         d = {a.name: a for a in bundles.bundle_attacks("default", norm)}
-        fab = ["fab-t3"] if norm == "l2" else []
+        fab = ["fab-t3", "fab-t"] if norm == "l2" else []
         assert list(d) == ["apgd-ce", "apgd-ce-long", "apgd-t5", *fab, "square-aa"]
         assert d["apgd-ce"].num_steps == 20 and d["apgd-ce-long"].num_steps == 100
         assert d["apgd-ce-long"].config.loss == "ce" and d["apgd-t5"].num_restarts == 5
@@ -129,8 +130,11 @@ def test_default_bundle_is_a_focused_cascade_within_its_stated_share_of_autoatta
         assert d["apgd-t5"].num_steps == 40 and d["square-aa"].kind == "score-based"
         if fab:
             assert d["fab-t3"].num_steps == 50 and d["fab-t3"].num_restarts == 3
+            assert d["fab-t"].num_steps == 100 and d["fab-t"].num_restarts == 9
+            assert d["fab-t"].config.fresh
         plan = bundles.default(norm, 0.3)
         focus, probe = plan.focus_map, plan.probe_map
+        assert plan.escalate_map == ({"fab-t": 0.05} if fab else {})
         assert focus == {"apgd-ce-long": 0.5, "apgd-t5": 0.5, "square-aa": 0.06}
         assert probe == {"square-aa": 0.05}
         aa = bundles.bundle_attacks("autoattack", norm)
@@ -143,6 +147,8 @@ def test_default_bundle_is_a_focused_cascade_within_its_stated_share_of_autoatta
             if a.name in probe:
                 ran = probe_steps(a, probe[a.name])
                 return ran + focus[a.name] * (passes(a) - ran)
+            if a.name in plan.escalate_map:
+                return 0.0  # held back: the stage before it fooled nothing
             return passes(a) * focus.get(a.name, 1.0)
 
         mine = sum(spent(a) for a in d.values())
