@@ -227,3 +227,35 @@ def test_agreement_counts_reference_disagreement_and_consensus_misses(tmp_path):
     references, candidates = loaded[key]
     assert list(references) == ["torchattacks", "autoattack seed 0"]
     assert agreement.compare(references, candidates) == out
+
+
+def test_a_cached_autoattack_run_is_tied_to_the_weights_it_attacked(tmp_path):
+    """run.py: a run is stored under the weights' fingerprint; an older entry without one is
+    used only while its clean mistakes are the model's, and refused in one line otherwise."""
+    import json
+
+    import run
+
+    params = {"w": np.arange(6, dtype=np.float32)}
+    digest = run.weights_digest(params)
+    assert digest == run.weights_digest({"w": np.arange(6, dtype=np.float32)})
+    assert digest != run.weights_digest({"w": np.arange(6, dtype=np.float32) + 1})
+    wrong = np.array([False, True, False])
+    legacy = {"robust": [1, 0, 0], "fooled_by": [-1, -1, 2]}  # example 1: clean mistake
+    (tmp_path / "k.json").write_text(json.dumps(legacy))
+    calls = []
+
+    def compute():
+        calls.append(1)
+        return {"robust": [0, 0, 1], "fooled_by": [0, -1, -1]}
+
+    assert run.cached_autoattack(str(tmp_path), "k", compute, digest, wrong)["robust"] == [1, 0, 0]
+    with pytest.raises(SystemExit, match="other weights"):
+        run.cached_autoattack(str(tmp_path), "k", compute, digest, ~wrong)
+    assert not calls
+    (tmp_path / "k.json").unlink()
+    entry = run.cached_autoattack(str(tmp_path), "k", compute, digest, wrong)
+    assert calls == [1] and entry["weights"] == digest
+    assert (tmp_path / f"k_w{digest}.json").exists()
+    with pytest.raises(SystemExit, match="other weights"):
+        run.cached_autoattack(str(tmp_path), "k", compute, digest, np.array([True, True, False]))

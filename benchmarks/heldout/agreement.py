@@ -20,6 +20,7 @@ bundle (any seed) as a reference run, and prints per setting:
 from __future__ import annotations
 
 import argparse
+import glob
 import itertools
 import json
 import os
@@ -79,7 +80,9 @@ def load(paths: list[str], aa_caches: list[str]) -> dict[str, tuple[dict, dict]]
 def _torchattacks_runs(key: str, aa_caches: list[str]) -> dict[str, np.ndarray]:
     runs = {}
     for i, cache in enumerate(aa_caches):
-        path = os.path.join(cache, f"{key}.json")
+        # run.py names its runs by the weights' fingerprint; older ones by the setting alone
+        paths = sorted(glob.glob(os.path.join(cache, f"{key}_w" + "[0-9a-f]" * 16 + ".json")))
+        path = paths[-1] if paths else os.path.join(cache, f"{key}.json")
         if os.path.exists(path):
             with open(path) as f:
                 runs["torchattacks" + (f" {i + 1}" if i else "")] = np.array(

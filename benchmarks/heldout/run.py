@@ -30,6 +30,7 @@ Needs torch and torchattacks (never jaxbundle's dependencies); see benchmarks/RE
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import statistics
@@ -162,12 +163,36 @@ def run_autoattack(net, apply_fn, params, x, y, eps, norm) -> dict:
             "passes_per_example": (counted.forward_rows + counted.backward_rows) / len(y)}
 
 
-def cached_autoattack(cache: str | None, key: str, compute: Callable[[], dict]) -> dict:
-    path = cache and os.path.join(cache, f"{key}.json")
-    if path and os.path.exists(path):
-        with open(path) as f:
-            return {**json.load(f), "from_cache": path}
-    entry = compute()
+def weights_digest(params) -> str:
+    """A fingerprint of a model's weights (sha256 of every leaf's bytes, 16 hex digits): the
+    zoo's training is not bit-reproducible everywhere (its ResNets retrained on 2026-12-06
+    differ from those of 2026-12-05), so a cached AutoAttack run is tied to the weights it
+    attacked."""
+    digest = hashlib.sha256()
+    for leaf in jax.tree.leaves(params):
+        digest.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
+    return digest.hexdigest()[:16]
+
+
+def cached_autoattack(cache: str | None, key: str, compute: Callable[[], dict],
+                      weights: str, clean_wrong: np.ndarray) -> dict:
+    """AutoAttack's run of setting ``key`` on the weights ``weights`` (:func:`weights_digest`):
+    from ``cache/{key}_w{weights}.json``, or from the older ``cache/{key}.json`` (written
+    without a fingerprint) when its clean mistakes are the model's ``clean_wrong`` (a run on
+    other weights is refused in one line), or computed and written under the first name."""
+    path = cache and os.path.join(cache, f"{key}_w{weights}.json")
+    legacy = cache and os.path.join(cache, f"{key}.json")
+    for candidate in (path, legacy):
+        if candidate and os.path.exists(candidate):
+            with open(candidate) as f:
+                entry = json.load(f)
+            wrong = ((~np.asarray(entry["robust"], bool)) & (np.asarray(entry["fooled_by"]) < 0))
+            if entry.get("weights", weights) != weights or not np.array_equal(wrong, clean_wrong):
+                raise SystemExit(f"{candidate}: AutoAttack ran on other weights than the model's "
+                                 f"now ({weights}); its clean mistakes differ. Delete it, or "
+                                 "use another --aa-cache")
+            return {**entry, "from_cache": candidate}
+    entry = {**compute(), "weights": weights}
     if path:
         os.makedirs(cache, exist_ok=True)
         with open(path, "w") as f:
@@ -285,7 +310,8 @@ def run(args, candidates: list[tuple[str, dict]], log: Callable[[str], None]) ->
                     continue
                 key = f"{args.set}_{setting.model}_{norm}_{eps:.6f}_n{args.n}"
                 aa = cached_autoattack(args.aa_cache, key, lambda: run_autoattack(
-                    net, apply_fn, params, x, y, eps, norm))
+                    net, apply_fn, params, x, y, eps, norm), weights_digest(params),
+                    np.asarray(jax.jit(apply_fn)(params, x)).argmax(-1) != y)
                 reported = 2 <= aa["robust_accuracy"] <= 95
                 note = "" if reported else " [not reported]"
                 log(f"{label}: AutoAttack {aa['robust_accuracy']:.1f} % ({aa['seconds']:.0f} s,"
