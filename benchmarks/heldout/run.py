@@ -165,9 +165,9 @@ def run_autoattack(net, apply_fn, params, x, y, eps, norm) -> dict:
 
 def weights_digest(params) -> str:
     """A fingerprint of a model's weights (sha256 of every leaf's bytes, 16 hex digits): the
-    zoo's training is not bit-reproducible everywhere (its ResNets retrained on 2026-12-06
-    differ from those of 2026-12-05), so a cached AutoAttack run is tied to the weights it
-    attacked."""
+    zoo's training repeats bit for bit on one machine, not across machines (resnet-pgd trained
+    here on 2026-12-06 differs from the one AutoAttack's cached runs of 2026-12-05 attacked),
+    so a cached AutoAttack run is tied to the weights it attacked."""
     digest = hashlib.sha256()
     for leaf in jax.tree.leaves(params):
         digest.update(np.ascontiguousarray(np.asarray(leaf)).tobytes())
