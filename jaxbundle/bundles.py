@@ -26,11 +26,11 @@ plan ``plan(NAME, norm, eps)`` with the flags given applied to it (``--schedule 
     (gradients that mislead APGD on this model) AutoAttack's FAB-T (``fab-t``: 9 targets x 100,
     the reference's order) on the survivors left (the plan's ``escalate``; on the tuning set's
     Linf-trained CNN only that full FAB-T found what AutoAttack's does); then AutoAttack's
-    Square (``square-aa``:
-    5,000 queries, p_init 0.8), the score-based check against gradient masking: its first 5 %
-    (250 queries) on every survivor (the plan's ``probe``), then on 6 % of them, half the most
-    promising under the earlier stages and half those Square itself brought furthest, and on
-    more when the probe fools survivors (up to all: :data:`jaxbundle.schedule.PROBE_GAIN`).
+    Square (``square-aa``: 5,000 queries, p_init 0.8), the score-based check against gradient
+    masking: its first 5 % (250 queries) on every survivor (the plan's ``probe``), then on 6 %
+    of them, half the most promising under the earlier stages and half those Square itself
+    brought furthest, and on more when the probe fools survivors (up to all:
+    :data:`jaxbundle.schedule.PROBE_GAIN`).
     Each stage runs in 6 segments, and an example fooled in one stops there. How it compares
     with AutoAttack: benchmarks/README.md.
 ``broad``

@@ -86,7 +86,8 @@ from jaxbundle.bundler import BestState, BundleResult, fold, glue_jit
 from jaxbundle.plan import Plan
 
 __all__ = [
-    "PROBE_GAIN", "Stage", "bucket_sizes", "cascade", "probe_steps", "promise", "satisfied",
+    "PROBE_GAIN", "Stage", "bucket_sizes", "cascade", "escalates", "probe_steps", "promise",
+    "satisfied",
 ]
 
 # A probe's share grows by this many times the fraction of the survivors the probe itself
