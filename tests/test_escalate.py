@@ -1,0 +1,57 @@
+"""``escalate``: a cascade stage held back unless the stage before it fooled enough of what it
+ran on (jaxbundle.schedule.escalates), and the plan's one-line errors for it."""
+
+from __future__ import annotations
+
+import re
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxbundle import attacks as attacks_lib
+from jaxbundle import Plan
+from jaxbundle.bundler import goals_for
+from test_schedule import _cascade, _problem
+
+
+@pytest.mark.parametrize("share, runs", [(0.39, True), (0.4, False)])
+def test_an_escalated_stage_runs_only_when_the_stage_before_fooled_enough(share, runs):
+    """``escalate``: pgd fools 17 of the 43 survivors fgsm left (0.395 of those it ran on), so a
+    third stage escalated at 0.39 runs on every survivor left and one at 0.40 is held back:
+    it runs on none, every survivor counted skipped, no example charged for it."""
+    params, x, y, eps = _problem(n=48, seed=3)
+    atts = (attacks_lib.fgsm(), attacks_lib.pgd(steps=5, restarts=2).rename("pgd"),
+            attacks_lib.pgd(steps=5, restarts=2, loss="margin").rename("pgd-m"))
+    goals = goals_for(("misclassify",), atts)
+    ids = jnp.arange(len(y), dtype=jnp.int32)
+    res, stages = _cascade(atts, params, x, y, ids, eps, escalate={"pgd-m": share},
+                           norm="linf", goal_names=goals)
+    assert (stages[1].survivors, stages[1].examples) == (43, 43)
+    assert stages[2].survivors == 43 - 17
+    assert stages[2].examples == (26 if runs else 0)
+    left = (np.asarray(res.attack_step[1]) != -2) & ~np.asarray(res.attack_success[1])
+    ran = np.asarray(res.attack_step[2]) != -2
+    assert left.sum() == 26 and ran.sum() == stages[2].examples
+    assert np.array_equal(ran, left) if runs else not ran.any()
+    spent = atts[0].gradients + atts[1].gradients + (atts[2].gradients if runs else 0)
+    np.testing.assert_array_equal(np.asarray(res.gradients)[left], spent)
+
+
+@pytest.mark.parametrize(
+    "escalate, message",
+    [
+        ({"pgd-x": 0.5}, "not in the plan"),
+        ({"fgsm": 0.5}, "'fgsm' is the first stage"),
+        ({"pgd": 0.0}, "share in (0, 1]"),
+        ({"pgd": 1.5}, "share in (0, 1]"),
+        ({"pgd": True}, "share in (0, 1]"),
+    ],
+)
+def test_bad_escalate_is_one_clear_error(escalate, message):
+    plan = Plan(eps=0.1, attacks=(attacks_lib.fgsm(), attacks_lib.pgd(steps=2).rename("pgd")),
+                goals=("misclassify",), mode="cascade", escalate=escalate)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        plan.check()
+    with pytest.raises(ValueError, match=re.escape("escalate is a cascade setting")):
+        plan.replace(mode="full").check()
