@@ -294,6 +294,8 @@ def run(args, candidates: list[tuple[str, dict]], log: Callable[[str], None]) ->
         setting = settings[name]
         jax.clear_caches()  # a long run compiles many programs: keep the process's maps few
         apply_fn, params, x, y, net = load(setting, args.n)
+        weights = weights_digest(params)  # what a cached AutoAttack run must have attacked
+        clean_wrong = np.asarray(jax.jit(apply_fn)(params, x)).argmax(-1) != y
         for norm in args.norms.split(","):
             for eps in setting.eps.get(norm, ()):
                 if args.eps and not any(abs(eps - float(e)) < 1e-4 for e in args.eps.split(",")):
@@ -310,8 +312,7 @@ def run(args, candidates: list[tuple[str, dict]], log: Callable[[str], None]) ->
                     continue
                 key = f"{args.set}_{setting.model}_{norm}_{eps:.6f}_n{args.n}"
                 aa = cached_autoattack(args.aa_cache, key, lambda: run_autoattack(
-                    net, apply_fn, params, x, y, eps, norm), weights_digest(params),
-                    np.asarray(jax.jit(apply_fn)(params, x)).argmax(-1) != y)
+                    net, apply_fn, params, x, y, eps, norm), weights, clean_wrong)
                 reported = 2 <= aa["robust_accuracy"] <= 95
                 note = "" if reported else " [not reported]"
                 log(f"{label}: AutoAttack {aa['robust_accuracy']:.1f} % ({aa['seconds']:.0f} s,"

@@ -42,12 +42,9 @@ _FOCUS_SIZE = schedule._focus_size
 
 
 def _register_fab(name: str, targets: int, steps: int, fresh: bool) -> None:
-    def make(norm, steps_=None, restarts=None, step_size=None):
-        del steps_, restarts, step_size
-        return attacks_lib.fab(norm, steps=steps, targets=targets, fresh_gradient=fresh,
-                               name=name)
-
-    suites.ATTACKS[name] = lambda norm, steps=None, restarts=None, step_size=None: make(norm)
+    """A FAB-T of ``targets`` x ``steps`` under ``name`` (the plan's overrides ignored)."""
+    suites.ATTACKS[name] = lambda norm, **_: attacks_lib.fab(
+        norm, steps=steps, targets=targets, fresh_gradient=fresh, name=name)
 
 
 def capped(ladders, fraction: float, survivors: int) -> int:
