@@ -18,10 +18,11 @@ attacks of a bundle one stage at a time on one batch:
    verified results are folded into the batch's best states at the survivors' rows.
 
 Every example's randomness depends only on its id and the attack's index, and an attack's result
-on an example does not depend on the other examples in the batch, so for the misclassify goal a
-cascade fools exactly the examples the full bundle fools (tested), at the cost of the attacks
-it ran. What it does not give is the many-attack table: attack ``k`` saw only the survivors of
-attacks ``1..k-1``. Its ``attack_success[k]`` is False where attack ``k`` did not run.
+on an example does not depend on the other examples in the batch (up to float rounding, which
+XLA may do differently in another batch shape), so for the misclassify goal a cascade fools
+exactly the examples the full bundle fools (tested), at the cost of the attacks it ran. What it
+does not give is the many-attack table: attack ``k`` saw only the survivors of attacks
+``1..k-1``. Its ``attack_success[k]`` is False where attack ``k`` did not run.
 
 With ``focus`` (attack name -> fraction), that attack runs only on the most promising part of
 the survivors, ``fraction * survivors`` of them rounded to the nearest bucket size (in ratio)
