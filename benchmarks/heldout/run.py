@@ -81,6 +81,8 @@ SETS: dict[str, tuple[Setting, ...]] = {
                 {"linf": (64 / 255, 70 / 255, 76 / 255)}),
         Setting("standard", "demo", "grey28", 0,
                 {"linf": (13 / 255, 26 / 255), "l2": (0.5, 1.0)}),
+        Setting("resnet-tune", "zoo", "colour32-off", 0,
+                {"linf": (2 / 255, 4 / 255), "l2": (0.25, 0.5)}),
     ),
     "heldout": (
         _grey("mlp-std", "zoo"), _grey("mlp-pgd", "zoo"),

@@ -1,4 +1,5 @@
-"""The held-out model zoo of ``PROTOCOL.md``: nine small classifiers, their data and recipes.
+"""The model zoo of ``PROTOCOL.md``: nine held-out small classifiers and a tuning residual net,
+their data and recipes.
 
 Everything a held-out run needs about the models lives here, so the recipes are fixed in one
 file that is committed before any evaluation:
@@ -10,12 +11,13 @@ file that is committed before any evaluation:
   ``nn.Conv``, ``nn.BatchNorm``) taking ``[B, H, W, C]`` in ``[0, 1]`` to logits ``[B, 10]``;
 * :func:`train`: Adam with cosine decay, batch 128, and one of four recipes (standard, PGD Linf,
   PGD L2, TRADES) with eps warmed up over the first 30 % of the steps;
-* :data:`ZOO` and :func:`load`: the nine models by name, trained once and cached on disk.
+* :data:`ZOO` and :func:`load`: the models by name (the nine held-out ones and ``resnet-tune``,
+  which belongs to the tuning set), trained once and cached on disk.
 
 The training-time attacks are in ``training_attacks.py``, the torch copies of the models (for
 AutoAttack from torchattacks) in ``torch_copy.py``. Run as a script::
 
-    python benchmarks/heldout/zoo.py --train all           # trains and caches the nine models
+    python benchmarks/heldout/zoo.py --train all           # trains and caches every model
     python benchmarks/heldout/torch_copy.py --models all   # needs torch (a benchmark venv)
 
 This is benchmark code: the library (``jaxbundle``) knows nothing about it.
@@ -302,6 +304,10 @@ ZOO: dict[str, Spec] = {
                        learning_rate=3e-3, seed=8),
     "cnn-colour-l2": Spec("cnn", "colour32-off", "pgd", "l2", 0.5, pgd_steps=5, epochs=12,
                           learning_rate=3e-3, seed=9),
+    # The tuning set's residual net (PROTOCOL.md, added 2026-12-06): the held-out ResNet's
+    # architecture and recipe on the off-grid colour data, another seed; tuned on, never
+    # reported as held-out evidence.
+    "resnet-tune": Spec("resnet", "colour32-off", epochs=8, learning_rate=3e-3, seed=10),
 }
 
 
