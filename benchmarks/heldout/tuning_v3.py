@@ -1,4 +1,5 @@
-"""Tuning-set variants of the ``default`` tried for a third design (2026-12-06; none adopted).
+"""Tuning-set variants of the ``default`` tried for a third design (2026-12-06: ``esc`` adopted)
+and after it (the default's own escalation kept unless a part changes it).
 
 Each variant is the default bundle with one change, run by ``run.py``'s machinery on the tuning
 set of ``PROTOCOL.md`` (goal misclassify, n = 256, seed 0, no warm rounds), its rows appended to
@@ -12,6 +13,9 @@ set of ``PROTOCOL.md`` (goal misclassify, n = 256, seed 0, no warm rounds), its 
 * ``cap``: a focused stage runs on the focus fraction of the *batch* when more survivors than
   that are left, else on all survivors (:func:`capped`, patched into ``jaxbundle.schedule``);
 * ``nofocus``: the white-box stages (``apgd-ce-long``, ``apgd-t5``) on every survivor;
+  ``ceall`` / ``tall``: only ``apgd-ce-long`` / only ``apgd-t5`` on every survivor (tried on
+  the tuning ResNet, ``resnet-tune``, for a fourth design); ``apgdt9`` / ``apgdt100``: the
+  APGD-T stage with 9 targets x 40 steps / 5 targets x 100 instead of 5 x 40;
 * ``esc``: AutoAttack's FAB-T (9 x 100, the reference's order) after ``fab-t3``, run only
   when ``fab-t3`` fooled 5 % or more of the examples it ran on (``Plan.escalate``);
 * ``probeF,P``: the FAB stage probed like Square (its first ``P`` of steps on every survivor,
@@ -67,16 +71,24 @@ def variant(name: str) -> str:
     attacks = tuple((AttackSpec(fab, steps=100) if fab and s.name == "fab-t3" else s, only)
                     for s, only in b.attacks)
     focus, probe = dict(b.focus), dict(b.probe)
+    for part, spec in (("apgdt9", AttackSpec("apgd-t", steps=40)),
+                       ("apgdt100", AttackSpec("apgd-t5", steps=100))):
+        if part in parts:  # the APGD-T stage: 9 targets x 40 steps, or 5 targets x 100
+            attacks = tuple((spec if s.name == "apgd-t5" else s, only) for s, only in attacks)
+            focus[spec.name] = focus.pop("apgd-t5")
     for part in parts:
         if part.startswith("probe"):
             share, steps = part[len("probe"):].split(",")
             focus[fab], probe[fab] = float(share), float(steps)
-    if "nofocus" in parts:
-        focus.pop("apgd-ce-long")
-        focus.pop("apgd-t5")
-    escalate = {}
-    if "esc" in parts:  # AutoAttack's FAB-T after fab-t3, run when fab-t3 fooled 5 % or more
-        at = [s.name for s, _ in attacks].index("fab-t3") + 1
+    for part, stages in (("nofocus", ("apgd-ce-long", "apgd-t5")), ("ceall", ("apgd-ce-long",)),
+                         ("tall", ("apgd-t5",))):
+        if part in parts:
+            for stage in stages:
+                focus.pop(stage)
+    escalate = dict(b.escalate)
+    names = [s.name for s, _ in attacks]
+    if "esc" in parts and "fab-t" not in names:  # AutoAttack's FAB-T after fab-t3, run when
+        at = names.index("fab-t3") + 1  # fab-t3 fooled 5 % or more (the third design has it)
         attacks = attacks[:at] + ((AttackSpec("fab-t", steps=100), ("l2",)),) + attacks[at:]
         escalate["fab-t"] = 0.05
     if "cap" in parts:
