@@ -83,6 +83,8 @@ SETS: dict[str, tuple[Setting, ...]] = {
                 {"linf": (13 / 255, 26 / 255), "l2": (0.5, 1.0)}),
         Setting("resnet-tune", "zoo", "colour32-off", 0,
                 {"linf": (2 / 255, 4 / 255), "l2": (0.25, 0.5)}),
+        Setting("resnet-tune-c", "zoo", "colour32", 0,
+                {"linf": (2 / 255, 4 / 255), "l2": (0.25, 0.5)}),
     ),
     "heldout": (
         _grey("mlp-std", "zoo"), _grey("mlp-pgd", "zoo"),
