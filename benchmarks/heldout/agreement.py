@@ -60,7 +60,7 @@ def compare(references: dict[str, np.ndarray], candidates: dict[str, np.ndarray]
 def load(paths: list[str], aa_caches: list[str]) -> dict[str, tuple[dict, dict]]:
     """``{setting: (references, candidates)}`` from ``run.py --out`` files: references are
     torchattacks' AutoAttack (each cache holding the setting) and every ``autoattack`` row,
-    named by seed."""
+    named by seed (and judging, where a row was not judged as the CLI judges)."""
     settings: dict[str, tuple[dict, dict]] = {}
     for path in paths:
         with open(path) as f:
@@ -73,6 +73,8 @@ def load(paths: list[str], aa_caches: list[str]) -> dict[str, tuple[dict, dict]]
                     settings[key] = (_torchattacks_runs(key, aa_caches), {})
                 references, candidates = settings[key]
                 name = f"{row['candidate']} seed {row.get('seed', 0)}"
+                if row.get("judging", "auto") != "auto":
+                    name += f", judged {row['judging']}"
                 (references if row["candidate"] == REFERENCE else candidates)[name] = robust(row)
     return settings
 

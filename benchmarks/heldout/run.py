@@ -217,9 +217,9 @@ def register(variant: dict) -> str:
     return name
 
 
-def _plan(name, norm, eps, n, extra, seed=0):
+def _plan(name, norm, eps, n, extra, seed=0, judging="auto"):
     return bundles.plan(name, norm, eps, goals=("misclassify",), batch_size=n, seed=seed,
-                        **extra)
+                        judging=judging, **extra)
 
 
 def _robust(result) -> np.ndarray:
@@ -227,11 +227,14 @@ def _robust(result) -> np.ndarray:
     return (pe["clean_prediction"] == pe["label"]) & ~pe["success"].astype(bool)
 
 
-def run_candidate(name, extra, apply_fn, params, x, y, eps, norm, rounds, aa, seed=0) -> dict:
+def run_candidate(name, extra, apply_fn, params, x, y, eps, norm, rounds, aa, seed=0,
+                  judging="auto") -> dict:
     """One candidate: its first call in the process (cold, timed), a run with the model passes
     counted at the model boundary, then ``rounds`` warm timed runs; compared with AutoAttack's
-    per-example verdicts ``aa``."""
-    plan = _plan(name, norm, eps, len(y), extra, seed)
+    per-example verdicts ``aa`` (judged in float32). ``judging``: the plan's (``"auto"``, as
+    the CLI runs it: on the 8-bit grid where the clean image is on it; ``"float"``, as
+    AutoAttack's images are judged)."""
+    plan = _plan(name, norm, eps, len(y), extra, seed, judging)
 
     def evaluate(fn):
         return jaxbundle.evaluate(fn, params, (x, y), plan, mesh=None, keep_images=False)
@@ -265,7 +268,8 @@ def run_candidate(name, extra, apply_fn, params, x, y, eps, norm, rounds, aa, se
         "warm_ratio": statistics.median(warm) / aa["seconds"] if warm else None,
         "stages": [{k: s.get(k) for k in ("attack", "survivors", "examples", "robust_accuracy")}
                    for s in stages],
-        "seed": seed, "robust": "".join("1" if r else "0" for r in robust),
+        "seed": seed, "judging": judging,
+        "robust": "".join("1" if r else "0" for r in robust),
     }
 
 
@@ -279,21 +283,23 @@ def _screen(apply_fn, params, x, y, eps, norm) -> float:
                                                   keep_images=False)).mean())
 
 
-def _done(paths: list[str]) -> set[tuple[str, str, str, str]]:
-    """(model, norm, eps, candidate) of the rows already in ``paths`` (``--skip-done``)."""
+def _done(paths: list[str]) -> set[tuple[str, str, str, str, str]]:
+    """(model, norm, eps, candidate, judging) of the rows in ``paths`` (``--skip-done``)."""
     done = set()
     for path in paths:
         with open(path) as f:
             for line in f:
                 if line.strip():
                     r = json.loads(line)
-                    done.add((r["model"], r["norm"], f"{r['eps']:.6f}", r["candidate"]))
+                    done.add((r["model"], r["norm"], f"{r['eps']:.6f}", r["candidate"],
+                              r.get("judging", "auto")))
     return done
 
 
 def run(args, candidates: list[tuple[str, dict]], log: Callable[[str], None]) -> None:
     settings = {s.model: s for s in SETS[args.set]}
     done = _done(getattr(args, "skip_done", None) or [])
+    judging = getattr(args, "judging", "auto")
     for name in (args.models.split(",") if args.models else settings):
         setting = settings[name]
         jax.clear_caches()  # a long run compiles many programs: keep the process's maps few
@@ -306,7 +312,7 @@ def run(args, candidates: list[tuple[str, dict]], log: Callable[[str], None]) ->
                     continue
                 label = f"{setting.model} {norm} {eps:.4f}"
                 todo = [(c, e) for c, e in candidates
-                        if (setting.model, norm, f"{eps:.6f}", c) not in done]
+                        if (setting.model, norm, f"{eps:.6f}", c, judging) not in done]
                 if not todo:
                     log(f"{label}: done already")
                     continue
@@ -323,7 +329,7 @@ def run(args, candidates: list[tuple[str, dict]], log: Callable[[str], None]) ->
                     f" {aa['passes_per_example']:.0f} passes/ex){note}")
                 for name, extra in todo:
                     row = run_candidate(name, extra, apply_fn, params, x, y, eps, norm,
-                                        args.rounds, aa, args.seed)
+                                        args.rounds, aa, args.seed, judging)
                     log(f"  {name}: {row['robust_accuracy']:.1f} %, missed {row['missed']} "
                         f"{row['missed_by_aa_attack']}, extra {row['extra']}, passes "
                         f"{row['passes_ratio']:.3f}, warm {row['warm_ratio']}, cold "
@@ -370,6 +376,9 @@ def main(argv=None) -> None:
     parser.add_argument("--n", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0, help="the candidates' plan seed")
+    parser.add_argument("--judging", choices=("auto", "float"), default="auto",
+                        help="the candidates' judging: auto (the CLI's: on the 8-bit grid where "
+                             "the clean image is on it) or float (as AutoAttack's images are)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--aa-cache", default=None, metavar="DIR")
     parser.add_argument("--out", default=None, metavar="JSONL")

@@ -107,6 +107,7 @@ def main(argv=None) -> None:
     parser.add_argument("--eps", default=None)
     parser.add_argument("--aa-cache", required=True, metavar="DIR")
     parser.add_argument("--out", required=True, metavar="JSONL")
+    parser.add_argument("--judging", choices=("auto", "float"), default="auto")
     args = parser.parse_args(argv)
     import torch
 
