@@ -259,3 +259,30 @@ def test_a_cached_autoattack_run_is_tied_to_the_weights_it_attacked(tmp_path):
     assert (tmp_path / f"k_w{digest}.json").exists()
     with pytest.raises(SystemExit, match="other weights"):
         run.cached_autoattack(str(tmp_path), "k", compute, digest, np.array([True, True, False]))
+
+
+def test_candidates_can_be_judged_as_autoattack_is(tmp_path):
+    """run.py --judging: the candidate's plan judges as asked (the CLI's "auto" by default,
+    float32 as AutoAttack's images are judged), rows already run are told apart by it, and
+    agreement.py names a row judged otherwise than the CLI judges."""
+    import json
+
+    import agreement
+    import run
+
+    assert run._plan("default", "l2", 0.5, 8, {}).judging == "auto"
+    assert run._plan("default", "l2", 0.5, 8, {}, judging="float").judging == "float"
+    rows = [{"set": "heldout", "model": "m", "norm": "l2", "eps": 0.5, "n": 2, "candidate": c,
+             "seed": 0, "robust": "10", **extra}
+            for c, extra in (("default", {}), ("default", {"judging": "float"}),
+                             ("autoattack", {"judging": "float"}))]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    assert run._done([str(path)]) == {("m", "l2", "0.500000", "default", "auto"),
+                                      ("m", "l2", "0.500000", "default", "float"),
+                                      ("m", "l2", "0.500000", "autoattack", "float")}
+    key = "heldout_m_l2_0.500000_n2"
+    (tmp_path / f"{key}.json").write_text(json.dumps({"robust": [1, 0]}))
+    references, candidates = agreement.load([str(path)], [str(tmp_path)])[key]
+    assert list(references) == ["torchattacks", "autoattack seed 0, judged float"]
+    assert list(candidates) == ["default seed 0", "default seed 0, judged float"]

@@ -178,14 +178,18 @@ def weights_digest(params) -> str:
     return digest.hexdigest()[:16]
 
 
+def _cache_paths(cache: str | None, key: str, weights: str) -> tuple:
+    return (cache and os.path.join(cache, f"{key}_w{weights}.json"),
+            cache and os.path.join(cache, f"{key}.json"))
+
+
 def cached_autoattack(cache: str | None, key: str, compute: Callable[[], dict],
                       weights: str, clean_wrong: np.ndarray) -> dict:
     """AutoAttack's run of setting ``key`` on the weights ``weights`` (:func:`weights_digest`):
     from ``cache/{key}_w{weights}.json``, or from the older ``cache/{key}.json`` (written
     without a fingerprint) when its clean mistakes are the model's ``clean_wrong`` (a run on
     other weights is refused in one line), or computed and written under the first name."""
-    path = cache and os.path.join(cache, f"{key}_w{weights}.json")
-    legacy = cache and os.path.join(cache, f"{key}.json")
+    path, legacy = _cache_paths(cache, key, weights)
     for candidate in (path, legacy):
         if candidate and os.path.exists(candidate):
             with open(candidate) as f:
@@ -321,6 +325,10 @@ def run(args, candidates: list[tuple[str, dict]], log: Callable[[str], None]) ->
                     log(f"{label}: APGD-CE-20 leaves {screen:.1f} % robust: skipped")
                     continue
                 key = f"{args.set}_{setting.model}_{norm}_{eps:.6f}_n{args.n}"
+                if getattr(args, "cached_only", False) and not any(
+                        p and os.path.exists(p) for p in _cache_paths(args.aa_cache, key, weights)):
+                    log(f"{label}: no AutoAttack run in --aa-cache: skipped (--cached-only)")
+                    continue
                 aa = cached_autoattack(args.aa_cache, key, lambda: run_autoattack(
                     net, apply_fn, params, x, y, eps, norm), weights, clean_wrong)
                 reported = 2 <= aa["robust_accuracy"] <= 95
@@ -382,6 +390,8 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--aa-cache", default=None, metavar="DIR")
     parser.add_argument("--out", default=None, metavar="JSONL")
+    parser.add_argument("--cached-only", action="store_true",
+                        help="skip the settings --aa-cache holds no AutoAttack run of")
     parser.add_argument("--skip-done", nargs="*", default=[], metavar="JSONL",
                         help="skip the (setting, candidate) pairs these result files hold")
     parser.add_argument("--table", default=None, metavar="JSONL",

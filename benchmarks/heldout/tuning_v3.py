@@ -16,6 +16,9 @@ set of ``PROTOCOL.md`` (goal misclassify, n = 256, seed 0, no warm rounds), its 
   ``ceall`` / ``tall``: only ``apgd-ce-long`` / only ``apgd-t5`` on every survivor (tried on
   the tuning ResNet, ``resnet-tune``, for a fourth design); ``apgdt9`` / ``apgdt100``: the
   APGD-T stage with 9 targets x 40 steps / 5 targets x 100 instead of 5 x 40;
+* ``wbcap``: ``cap`` for the white-box (APGD) stages only: while a stage's survivors are no
+  more than its focus fraction of the batch, all of them run it (:func:`white_box_capped`);
+* ``nofab``: no FAB stage in L2 (neither ``fab-t3`` nor its escalation ``fab-t``);
 * ``esc``: AutoAttack's FAB-T (9 x 100, the reference's order) after ``fab-t3``, run only
   when ``fab-t3`` fooled 5 % or more of the examples it ran on (``Plan.escalate``);
 * ``probeF,P``: the FAB stage probed like Square (its first ``P`` of steps on every survivor,
@@ -59,6 +62,18 @@ def capped(ladders, fraction: float, survivors: int) -> int:
     return min(survivors, max(_FOCUS_SIZE(ladders, fraction, survivors), cap))
 
 
+_STAGE_ROWS = schedule._stage_rows
+
+
+def white_box_capped(b, attack, order, closeness, fraction, left, spent):
+    """``schedule._stage_rows`` with an APGD stage's focus dropped while its survivors are at
+    most ``fraction`` of the batch (so it never costs more than at a high robust accuracy)."""
+    if fraction is not None and attack.name.startswith("apgd") and (
+            order.size <= _FOCUS_SIZE((b.sizes, b.halves), fraction, max(b.sizes))):
+        fraction = None
+    return _STAGE_ROWS(b, attack, order, closeness, fraction, left, spent)
+
+
 def variant(name: str) -> str:
     """Registers the variant ``name`` as a bundle; returns the bundle's name."""
     parts = name.split("+")
@@ -91,8 +106,13 @@ def variant(name: str) -> str:
         at = names.index("fab-t3") + 1  # fab-t3 fooled 5 % or more (the third design has it)
         attacks = attacks[:at] + ((AttackSpec("fab-t", steps=100), ("l2",)),) + attacks[at:]
         escalate["fab-t"] = 0.05
+    if "nofab" in parts:
+        attacks = tuple((s, only) for s, only in attacks if not s.name.startswith("fab"))
+        escalate = {k: v for k, v in escalate.items() if not k.startswith("fab")}
     if "cap" in parts:
         schedule._focus_size = capped
+    if "wbcap" in parts:
+        schedule._stage_rows = white_box_capped
     bundles.BUNDLES[f"variant-{name}"] = b._replace(
         attacks=attacks, focus=tuple(focus.items()), probe=tuple(probe.items()),
         escalate=tuple(escalate.items()))
