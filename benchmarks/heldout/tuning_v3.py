@@ -18,7 +18,6 @@ set of ``PROTOCOL.md`` (goal misclassify, n = 256, seed 0, no warm rounds), its 
   APGD-T stage with 9 targets x 40 steps / 5 targets x 100 instead of 5 x 40;
 * ``wbcap``: ``cap`` for the white-box (APGD) stages only: while a stage's survivors are no
   more than its focus fraction of the batch, all of them run it (:func:`white_box_capped`);
-* ``nofab``: no FAB stage in L2 (neither ``fab-t3`` nor its escalation ``fab-t``);
 * ``esc``: AutoAttack's FAB-T (9 x 100, the reference's order) after ``fab-t3``, run only
   when ``fab-t3`` fooled 5 % or more of the examples it ran on (``Plan.escalate``);
 * ``probeF,P``: the FAB stage probed like Square (its first ``P`` of steps on every survivor,
@@ -106,9 +105,6 @@ def variant(name: str) -> str:
         at = names.index("fab-t3") + 1  # fab-t3 fooled 5 % or more (the third design has it)
         attacks = attacks[:at] + ((AttackSpec("fab-t", steps=100), ("l2",)),) + attacks[at:]
         escalate["fab-t"] = 0.05
-    if "nofab" in parts:
-        attacks = tuple((s, only) for s, only in attacks if not s.name.startswith("fab"))
-        escalate = {k: v for k, v in escalate.items() if not k.startswith("fab")}
     if "cap" in parts:
         schedule._focus_size = capped
     if "wbcap" in parts:
