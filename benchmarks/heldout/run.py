@@ -178,9 +178,13 @@ def weights_digest(params) -> str:
     return digest.hexdigest()[:16]
 
 
-def _cache_paths(cache: str | None, key: str, weights: str) -> tuple:
-    return (cache and os.path.join(cache, f"{key}_w{weights}.json"),
-            cache and os.path.join(cache, f"{key}.json"))
+def _cached(cache: str | None, key: str, weights: str) -> str | None:
+    """The cache file of setting ``key``'s AutoAttack run on ``weights``, fingerprinted first,
+    then the older unfingerprinted name; None where ``cache`` holds neither."""
+    for path in (f"{key}_w{weights}.json", f"{key}.json"):
+        if cache and os.path.exists(os.path.join(cache, path)):
+            return os.path.join(cache, path)
+    return None
 
 
 def cached_autoattack(cache: str | None, key: str, compute: Callable[[], dict],
@@ -189,21 +193,20 @@ def cached_autoattack(cache: str | None, key: str, compute: Callable[[], dict],
     from ``cache/{key}_w{weights}.json``, or from the older ``cache/{key}.json`` (written
     without a fingerprint) when its clean mistakes are the model's ``clean_wrong`` (a run on
     other weights is refused in one line), or computed and written under the first name."""
-    path, legacy = _cache_paths(cache, key, weights)
-    for candidate in (path, legacy):
-        if candidate and os.path.exists(candidate):
-            with open(candidate) as f:
-                entry = json.load(f)
-            wrong = ((~np.asarray(entry["robust"], bool)) & (np.asarray(entry["fooled_by"]) < 0))
-            if entry.get("weights", weights) != weights or not np.array_equal(wrong, clean_wrong):
-                raise SystemExit(f"{candidate}: AutoAttack ran on other weights than the model's "
-                                 f"now ({weights}); its clean mistakes differ. Delete it, or "
-                                 "use another --aa-cache")
-            return {**entry, "from_cache": candidate}
+    found = _cached(cache, key, weights)
+    if found:
+        with open(found) as f:
+            entry = json.load(f)
+        wrong = ((~np.asarray(entry["robust"], bool)) & (np.asarray(entry["fooled_by"]) < 0))
+        if entry.get("weights", weights) != weights or not np.array_equal(wrong, clean_wrong):
+            raise SystemExit(f"{found}: AutoAttack ran on other weights than the model's "
+                             f"now ({weights}); its clean mistakes differ. Delete it, or "
+                             "use another --aa-cache")
+        return {**entry, "from_cache": found}
     entry = {**compute(), "weights": weights}
-    if path:
+    if cache:
         os.makedirs(cache, exist_ok=True)
-        with open(path, "w") as f:
+        with open(os.path.join(cache, f"{key}_w{weights}.json"), "w") as f:
             json.dump(entry, f)
     return entry
 
@@ -320,14 +323,14 @@ def run(args, candidates: list[tuple[str, dict]], log: Callable[[str], None]) ->
                 if not todo:
                     log(f"{label}: done already")
                     continue
+                key = f"{args.set}_{setting.model}_{norm}_{eps:.6f}_n{args.n}"
+                if getattr(args, "cached_only", False) and not _cached(args.aa_cache, key,
+                                                                       weights):
+                    log(f"{label}: no AutoAttack run in --aa-cache: skipped (--cached-only)")
+                    continue
                 screen = _screen(apply_fn, params, x, y, eps, norm)
                 if screen < 2:
                     log(f"{label}: APGD-CE-20 leaves {screen:.1f} % robust: skipped")
-                    continue
-                key = f"{args.set}_{setting.model}_{norm}_{eps:.6f}_n{args.n}"
-                if getattr(args, "cached_only", False) and not any(
-                        p and os.path.exists(p) for p in _cache_paths(args.aa_cache, key, weights)):
-                    log(f"{label}: no AutoAttack run in --aa-cache: skipped (--cached-only)")
                     continue
                 aa = cached_autoattack(args.aa_cache, key, lambda: run_autoattack(
                     net, apply_fn, params, x, y, eps, norm), weights, clean_wrong)
