@@ -9,11 +9,12 @@ nor any dataset reader: they load when used (``jaxbundle.models``, ``jaxbundle.d
 
 from jaxbundle import attacks, bundles, goals, losses, norms
 from jaxbundle.bundler import BestState, BundleResult, bundle
+from jaxbundle.defences import Defended, bpda, defended, with_bpda
 from jaxbundle.evaluation import Evaluation, evaluate
 from jaxbundle.plan import AttackSpec, Plan
 from jaxbundle.sampling import Stochastic, stochastic, with_eot
 
-__all__ = ["AttackSpec", "BestState", "BundleResult", "Evaluation", "Plan", "Stochastic",
-           "attacks", "bundle", "bundles", "evaluate", "goals", "losses", "norms", "stochastic",
-           "with_eot"]
+__all__ = ["AttackSpec", "BestState", "BundleResult", "Defended", "Evaluation", "Plan",
+           "Stochastic", "attacks", "bpda", "bundle", "bundles", "defended", "evaluate", "goals",
+           "losses", "norms", "stochastic", "with_bpda", "with_eot"]
 __version__ = "0.1.0"

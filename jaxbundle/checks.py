@@ -19,6 +19,10 @@ read:
 ``changes_between_calls``
     The outputs on an input change after the model has seen other inputs (while two calls in a
     row agree): the model keeps state across calls (a batch-norm in training mode, a cache).
+``preprocessing`` (models that declare one, :func:`jaxbundle.defended`)
+    Says how the attacks differentiated the preprocessing: with BPDA (passes, naming the
+    backward pass), or straight through it, where it fails when the preprocessing's own
+    gradient is exactly zero on an image (a quantising step: the white-box attacks are blind).
 
 Per-example checks, over every example:
 
@@ -60,7 +64,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbundle import sampling
+from jaxbundle import checkpoint, defences, sampling
 from jaxbundle.attacks.base import Attack
 from jaxbundle.bundler import window_start
 
@@ -98,13 +102,20 @@ _TEXT = {
         "the model keeps state across calls: results depend on what it saw before",
         "make apply_fn pure (batch-norm in inference mode, no caches)",
     ),
+    "preprocessing": (
+        "the attacks differentiate a preprocessing whose gradient is zero: they are blind to it",
+        "rerun with --bpda (jaxbundle.with_bpda): its forward pass, the identity's (or your "
+        "approx's) gradient",
+    ),
     "zero_gradients": (
         "gradient attacks cannot move from these images: their failure says nothing",
-        "use black-box attacks (square, rays) or a differentiable approximation (BPDA)",
+        "declare the preprocessing (jaxbundle.defended) and rerun with --bpda "
+        "(jaxbundle.with_bpda); or use black-box attacks (square, rays)",
     ),
     "black_box_beats_white_box": (
         "gradients mislead the white-box attacks (gradient masking)",
-        "trust the black-box or bundled figure; try more restarts, other losses, BPDA, EOT",
+        "trust the black-box or bundled figure; try more restarts, other losses, --bpda "
+        "(jaxbundle.with_bpda), --eot",
     ),
     "silent": (
         "the attack never raised the loss above the clean image's: it was broken, not the model",
@@ -121,7 +132,8 @@ _TEXT = {
     ),
     "transfer_beats_white_box": (
         "another model's gradients fool it where its own do not (gradient masking)",
-        "trust the transfer or bundled figure; try BPDA, EOT, other losses",
+        "trust the transfer or bundled figure; try --bpda (jaxbundle.with_bpda), --eot, other "
+        "losses",
     ),
     "non_monotone": (
         "success fell as eps grew: the attacks at eps were stopped by the optimisation, not "
@@ -159,7 +171,7 @@ def model_checks(apply_fn: Callable[[Any, jax.Array], jax.Array], params: Any,
     else:
         randomness = _check("randomness", random_gap == 0.0,
                             f"two calls on the same images differ by up to {random_gap:.3g}")
-    return {
+    out = {
         "randomness": randomness,
         "probabilities": _check(
             "probabilities", not (in_unit and sums_to_one),
@@ -169,6 +181,27 @@ def model_checks(apply_fn: Callable[[Any, jax.Array], jax.Array], params: Any,
             f"after other inputs the outputs moved by up to {state_gap:.3g} (two calls in a row:"
             f" {random_gap:.3g})"),
     }
+    declared = defences.declared(apply_fn)
+    if declared is not None:
+        out["preprocessing"] = _preprocessing(declared, x, sampling.is_stochastic(apply_fn))
+    return out
+
+
+def _preprocessing(model: defences.Defended, x: jax.Array, random: bool) -> Check:
+    """How the attacks differentiate a declared preprocessing: BPDA, or its own gradient (of
+    the sum of its outputs, under a fixed key for a random one), zero on how many images."""
+    if model.bpda:
+        approx = ("the identity" if model.approx is None
+                  else str(checkpoint.describe(model.approx)))
+        return _check("preprocessing", True,
+                      f"BPDA: the forward pass runs the preprocessing, the backward pass is "
+                      f"{approx}'s; judging uses the true forward pass")
+    key = (jax.random.key(0),) if random else ()
+    grad = jax.vmap(jax.grad(lambda image: jnp.sum(model.preprocess(image[None], *key))))(x)
+    zero = int(np.sum(np.all(np.asarray(grad).reshape(len(x), -1) == 0, axis=1)))
+    return _check("preprocessing", zero == 0,
+                  f"no BPDA: the attacks differentiate the preprocessing as it is; its gradient "
+                  f"is exactly zero on {zero} of {len(x)} images")
 
 
 def _declared_randomness(apply_fn: sampling.Stochastic, attacks: Sequence[Attack],

@@ -129,7 +129,8 @@ def _data_flags(ev: argparse.ArgumentParser) -> None:
     what.add_argument(
         "--models", type=_csv, default=None,
         help="demo models to evaluate (default: standard,adversarial when no --model is given); "
-        "randomized: the adversarial CNN behind random noise and shifts (a stochastic model)",
+        "randomized: the adversarial CNN behind random noise and shifts (a stochastic model); "
+        "quantized: the adversarial CNN behind bit-depth reduction and JPEG (zero gradients)",
     )
     what.add_argument(
         "--data", default="mnist-sample",
@@ -247,7 +248,7 @@ def _schedule_flags(threat: argparse._ArgumentGroup) -> None:
 
 def _stochastic_flags(ev: argparse.ArgumentParser, threat: argparse._ArgumentGroup) -> None:
     random = ev.add_argument_group(
-        "stochastic models (randomised defences; see jaxbundle.sampling)")
+        "defences (randomised ones: jaxbundle.sampling; preprocessing: jaxbundle.defences)")
     random.add_argument(
         "--eot", type=_positive_int, default=None, metavar="N",
         help="every attack averages N model samples per call (expectation over "
@@ -261,6 +262,12 @@ def _stochastic_flags(ev: argparse.ArgumentParser, threat: argparse._ArgumentGro
         "--success-threshold", type=_rate, default=None, metavar="T",
         help="an example counts as fooled when more than T of the judge's calls misclassify it "
         "(default: the model's, 0.5)",
+    )
+    random.add_argument(
+        "--bpda", action="store_true",
+        help="attack the models that declare a preprocessing (jaxbundle.defended; the demo "
+        "quantized) with BPDA: its forward pass, the identity's (or their approx's) gradient; "
+        "judging still uses the true forward pass (docs/defences.md)",
     )
     threat.add_argument(
         "--best-effort", action="store_true",
@@ -394,14 +401,16 @@ def _evaluate(args: argparse.Namespace, console: Console) -> None:
     if args.dry_run:
         print(json.dumps({"plan": plan.describe(), "threat_model": preset,
                           "data": {"name": source.name, "n": len(source)},
-                          "models": demo_names + list(args.model)}, indent=2))
+                          "models": demo_names + list(args.model), "bpda": args.bpda},
+                         indent=2))
         return
     cache = args.cache_dir or str(models.default_cache_dir())
     with job.compilation_cache(None if args.no_compile_cache else os.path.join(cache, "xla")):
         path, _ = job.run_job(
             refs, source, plan, out=args.out, shifts=not args.no_shifts,
             checkpoint_dir=args.checkpoint_dir, save_images=args.save_images,
-            best_effort=args.best_effort, surrogates=surrogates, threat_model=preset,
+            best_effort=args.best_effort, surrogates=surrogates, bpda=args.bpda,
+            threat_model=preset,
             console=console, show_progress=not args.no_progress,
         )
     if path is not None:

@@ -1,7 +1,8 @@
 """The evaluation driver: a plan run over a dataset in fixed-shape batches, on a device mesh.
 
-``jaxbundle.evaluate(apply_fn, params, data, plan)`` reads ``data`` batch by batch (padded, so
-one compiled program serves the whole dataset), runs the plan's runner on each
+``jaxbundle.evaluate(model, params, data, plan)`` adapts the model once to ``apply_fn(params, x)``
+(:mod:`jaxbundle.adapters`: linen, NNX and Equinox modules too), reads ``data`` batch by batch
+(padded, so one compiled program serves the whole dataset), runs the plan's runner on each
 (:mod:`jaxbundle.runners`: ``full`` or ``cascade``), sums the batches'
 :class:`jaxbundle.metrics.Counts` and collects the small per-example arrays on the host, then
 computes the figures and the report's model record (:mod:`jaxbundle.schema`).
@@ -28,6 +29,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from jaxbundle import adapters
 from jaxbundle import checkpoint
 from jaxbundle import checks as checks_lib
 from jaxbundle import data as data_lib
@@ -40,9 +42,15 @@ from jaxbundle.checkpoint import load_images  # noqa: F401  (the images a run wr
 from jaxbundle.metrics import Counts, Setting
 from jaxbundle.outputs import curve_metrics, kind_distortions, stochastic_metrics
 from jaxbundle.plan import Plan
-from jaxbundle.validation import check_inputs, goals_for
+from jaxbundle.validation import check_inputs, goals_for, model_dtypes
 
 __all__ = ["Evaluation", "default_mesh", "evaluate", "for_model", "load_images"]
+
+# The model-level checks (jaxbundle.checks.model_checks) run on this many images of the first
+# batch: five eager calls of the model, which on a ResNet-18 at 224x224 took 0.28 of PGD-10's
+# gradients on 8 images (benchmarks/imagenet_overhead.py); two tell randomness, state and
+# probabilities apart as well.
+CHECKED = 2
 
 
 class Evaluation(NamedTuple):
@@ -186,7 +194,7 @@ def _start(apply_fn, params, source, plan, mesh) -> _Run:
 
 
 def evaluate(
-    apply_fn: Callable[[Any, jax.Array], jax.Array],
+    model: Any,
     params: Any,
     data: Any,
     plan: Plan,
@@ -204,9 +212,9 @@ def evaluate(
     images go to ``images_dir`` as they are made.
 
     Args:
-      apply_fn: ``apply_fn(params, x) -> logits`` for images ``[B, H, W, C]`` in [0, 1], or a
-        stochastic model (:func:`jaxbundle.stochastic`).
-      params: model parameters (a jit argument).
+      model: ``apply_fn(params, x) -> logits`` (images ``[B, H, W, C]`` in [0, 1]), a stochastic
+        model, or a linen, NNX or Equinox module in inference mode (:mod:`jaxbundle.adapters`).
+      params: a jit argument; a linen module's variables; None for an NNX or Equinox module.
       data: ``(x, y)`` arrays (images float in [0, 1], labels ``[N]``), a
         :class:`jaxbundle.data.Source` (images uint8, or floats in [0, 1]), or a source name
         (``mnist-sample``, ``npz:PATH``, ``tfds:NAME``).
@@ -227,7 +235,7 @@ def evaluate(
       An :class:`Evaluation`. Adversarial images are uint8 when every clean image is stored on
       the 8-bit grid and judged there, else float32 (the judged images exactly).
     """
-    source = _as_source(data, _checked(plan), apply_fn, params)
+    apply_fn, params, source = _model_and_data(model, params, data, plan)
     run = _start(apply_fn, params, source, plan, mesh)
     if keep_images is None:
         keep_images = bool(getattr(source, "in_memory", False))
@@ -241,7 +249,7 @@ def evaluate(
     for index in range(state.batches_done, total):
         bx, batch = _read_batch(run, index, check_classes=index == state.batches_done)
         if index == 0:
-            model_checks = checks_lib.model_checks(run.model.apply_fn, params, bx[:8],
+            model_checks = checks_lib.model_checks(run.model.apply_fn, params, bx[:CHECKED],
                                                    run.model.attacks)
         counts, outputs, stage_counts = _attack_batch(run, index, bx, batch)
         x_adv = outputs.pop("x_adv")
@@ -259,12 +267,21 @@ def evaluate(
     if model_checks is None:  # resumed: the first batch came from the checkpoint
         first = data_lib.local_batch(source, 0, run.plan.batch_size, *run.process)
         model_checks = checks_lib.model_checks(run.model.apply_fn, params,
-                                               data_lib.to_unit_float(first.x)[:8],
+                                               data_lib.to_unit_float(first.x)[:CHECKED],
                                                run.model.attacks)
     metrics, per_example = _results(run, state, model_checks)
     return Evaluation(metrics=metrics, per_example=per_example,
                       attack_names=tuple(a.name for a in run.model.attacks),
                       gallery=_gallery(source, state))
+
+
+def _model_and_data(model: Any, params: Any, data: Any, plan: Plan) -> tuple[Callable, Any,
+                                                                          data_lib.Source]:
+    """The model as ``(apply_fn, params)`` (adapted once: :func:`jaxbundle.adapters.as_apply_fn`)
+    and the data as a source, once the plan is checked: a bad plan is refused first."""
+    checked = _checked(plan)
+    apply_fn, params = adapters.as_apply_fn(model, params)
+    return apply_fn, params, _as_source(data, checked, apply_fn, params)
 
 
 def _resume(run: _Run, apply_fn: Callable, params: Any, keep_images: bool, uint8_images: bool,
@@ -391,6 +408,8 @@ def _results(run: _Run, state: checkpoint.State, model_checks: Any) -> tuple[dic
         "statement": judge.statement(plan.judging, plan.eps, plan.norm, on_grid, n),
     }
     figures["data"] = {"name": run.source.name, "n": n}
+    figures["model_dtype"] = model_dtypes(run.model.apply_fn, run.model.params,
+                                          (1, *run.source.shape))
     per_example["check_flags"] = checks_lib.example_flags(per_example, attacks)
     figures["checks"] = checks_lib.summarise(
         model_checks, per_example["check_flags"], attacks,

@@ -30,6 +30,7 @@ from jaxbundle import curves
 from jaxbundle import data as data_lib
 from jaxbundle import models as models_lib
 from jaxbundle import schema
+from jaxbundle.defences import declared, with_bpda
 from jaxbundle.evaluation import Evaluation, evaluate, for_model
 from jaxbundle.plan import Plan
 from jaxbundle.sampling import is_stochastic
@@ -70,7 +71,7 @@ def demo_model(
     train_epochs: int | None = None,
 ) -> ModelRef:
     """A demo CNN of :data:`jaxbundle.models.MODELS`, trained on first use and then cached, or
-    a demo defence of :data:`jaxbundle.models.DEFENCES` (a stochastic model around one)."""
+    a demo defence of :data:`jaxbundle.models.DEFENCES` (one behind a preprocessing)."""
     defence = models_lib.DEFENCES.get(name)
     known = sorted(models_lib.MODELS) + sorted(models_lib.DEFENCES)
     if name not in models_lib.MODELS and defence is None:
@@ -84,7 +85,7 @@ def demo_model(
     def load(progress):
         apply_fn, params = models_lib.load_or_train(config, cache_dir=cache_dir, progress=progress)
         if defence is not None:
-            apply_fn = models_lib.randomized(apply_fn, noise=defence.noise, shift=defence.shift)
+            apply_fn = defence.wrap(apply_fn)
         return apply_fn, params
 
     return ModelRef(name, load, f"demo:{name}")
@@ -233,6 +234,7 @@ class JobOptions(NamedTuple):
     save_images: bool = False  # adversarial images to out/adversarial/<model>/
     best_effort: bool = False  # RoBIC's best-effort distortions (bisection on eps up to eps)
     surrogates: Sequence[ModelRef] = ()  # models the attacker owns: transfer of their candidates
+    bpda: bool = False  # attack the models that declare a preprocessing with BPDA
 
 
 def run_job(
@@ -260,9 +262,10 @@ def run_job(
       console: a ``rich`` console to print progress and the tables on (process 0).
       show_progress: progress bars on ``console``.
       options: the fields of :class:`JobOptions` (``shifts``, ``checkpoint_dir``,
-        ``save_images``, ``best_effort``, ``surrogates``). Data held in memory
-        (``source.in_memory``: the embedded sample, arrays) also keeps the adversarial images
-        in the report's per-example file.
+        ``save_images``, ``best_effort``, ``surrogates``; ``bpda``: the models that declare a
+        preprocessing, :func:`jaxbundle.defended`, attacked with BPDA, the others as they are).
+        Data held in memory (``source.in_memory``: the embedded sample, arrays) also keeps the
+        adversarial images in the report's per-example file.
 
     Returns:
       ``(path of report.json or None on processes other than 0, {model: (evaluation,
@@ -287,6 +290,8 @@ def run_job(
         for ref in models:
             apply_fn, params = _load_checked(ref, progress, f"{ref.name}: train or load",
                                              sample_x, source)
+            if job.bpda and declared(apply_fn) is not None:
+                apply_fn = with_bpda(apply_fn)
             results[ref.name] = _evaluate_model(ref, apply_fn, params, source, plan, job,
                                                 surrogates, progress)
     if not lead:

@@ -85,21 +85,33 @@ def quantize_min_norm(
 
     A minimum-norm candidate sits just past the decision boundary, where rounding each pixel
     to the nearest level often lands back on the clean side. Where the candidate itself is
-    ``adversarial``, its perturbation is stretched by the smallest factor of ``stretch`` whose
-    rounded image is still misclassified (by 1 when none is), then rounded; elsewhere it is
-    rounded as it is. ``len(stretch) - 1`` forward passes (none for ``stretch=(1.0,)``).
+    ``adversarial``, its perturbation is stretched by the smallest factor of ``stretch`` (the
+    first is 1) whose rounded image is still misclassified (by 1 when none is), then rounded;
+    elsewhere it is rounded as it is. The factors are tried in turn, each only while some
+    example of the batch still needs a larger one: one forward pass where rounding loses no
+    candidate, at most ``len(stretch)`` (none for ``stretch=(1.0,)``).
     """
     if tuple(stretch) == (1.0,):
         return norms.quantize(x, x0)
+    factors = jnp.asarray(stretch, jnp.float32)
 
     def rounded(s):
-        xs = norms.quantize(norms.project_box(x0 + s * (x - x0)), x0)
-        return xs, jnp.argmax(model.logits(xs), axis=-1) != y
+        return norms.quantize(norms.project_box(x0 + s * (x - x0)), x0)
 
-    xs, fooled = jax.vmap(rounded)(jnp.asarray(stretch, jnp.float32))
-    fooled = fooled & adversarial[None, :]
-    first = jnp.where(jnp.any(fooled, axis=0), jnp.argmax(fooled, axis=0), 0)
-    return jnp.take_along_axis(xs, first.reshape((1, -1) + (1,) * (xs.ndim - 2)), axis=0)[0]
+    def fooled(images):
+        return jnp.argmax(model.logits(images), axis=-1) != y
+
+    def next_factor(carry):
+        i, chosen, need = carry
+        images = rounded(factors[i])
+        now = need & fooled(images)
+        return i + 1, norms.tree_where(now, images, chosen), need & ~now
+
+    first = rounded(factors[0])
+    _, chosen, _ = jax.lax.while_loop(
+        lambda carry: (carry[0] < factors.size) & jnp.any(carry[2]), next_factor,
+        (jnp.int32(1), first, adversarial & ~fooled(first)))
+    return chosen
 
 
 def judged_score(
@@ -164,7 +176,8 @@ def verify(
     if bounded:
         rounded = norms.quantize(best.x, x0, eps, norm)
     else:
-        rounded = quantize_min_norm(model, best.x, x0, y, best.score.misclassified, stretch)
+        rounded = quantize_min_norm(model, best.x, x0, y, best.score.misclassified & grid,
+                                    stretch)
     x = jnp.where(norms.per_example(grid, x0), rounded, best.x)
     judged = best._replace(x=x, score=_checked_score(model, x, x0, y, eps, norm, bounded))
     credited = ~judged.score.misclassified | best.score.misclassified | model.stochastic

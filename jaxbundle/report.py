@@ -172,6 +172,7 @@ def markdown(report: dict) -> str:
             "",
             f"Judged: {m['judging']['statement']}.",
             "",
+            *([f"Precision: {m['model_dtype']['statement']}.", ""] if m.get("model_dtype") else []),
             *([f"{m['stochastic']['statement']}; {_rates(m['stochastic'])}.", ""]
               if m.get("stochastic") else []),
             *([f"{m['schedule']['statement']}.", ""]
@@ -226,6 +227,9 @@ def print_tables(console: Console, results: dict[str, tuple[Evaluation, float]])
         m = evaluation.metrics
         console.print(table(name, m))
         console.print(f"  judged: {m['judging']['statement']}", highlight=False, soft_wrap=True)
+        if m.get("model_dtype"):
+            console.print(f"  precision: {m['model_dtype']['statement']}", highlight=False,
+                          soft_wrap=True)
         if (m.get("schedule") or {}).get("statement"):
             console.print(f"  [bold]upper bound:[/bold] {m['schedule']['statement']}",
                           highlight=False, soft_wrap=True)

@@ -131,6 +131,22 @@ def with_eot(attacks: Sequence[Any], eot: int) -> tuple[Any, ...]:
     return tuple(a._replace(eot=eot) for a in attacks)
 
 
+def float32_logits(logits: jax.Array) -> jax.Array:
+    """A model's logits in float32, every margin and probability computed on them. Logits of a
+    narrower float (bfloat16, float16) keep exactly the values the model returns: XLA may drop a
+    round trip through the narrow type where the model's program is fused with other work (an
+    attack's gradient), which left the logits up to half a unit in the last place wider than a
+    plain call returns them, and a near tie then judged otherwise than the user's own call
+    judges it; ``reduce_precision`` pins the rounding."""
+    dtype = jnp.dtype(logits.dtype)
+    if not jnp.issubdtype(dtype, jnp.floating) or dtype.itemsize >= 4:
+        return logits.astype(jnp.float32)
+    info = jnp.finfo(dtype)
+    wide = logits.astype(jnp.float32)
+    pinned = jax.lax.reduce_precision(wide, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    return jnp.where(jnp.abs(wide) < info.tiny, wide, pinned)  # subnormals: XLA flushes them
+
+
 def sample_logits(apply_fn: Stochastic, params: Any, x: jax.Array, keys: jax.Array) -> jax.Array:
     """Logits ``[S, B, K]`` (float32) of images ``x`` ``[B, ...]`` under keys ``[S, B]``: each
     example alone under its own key, all as ``vmap`` axes."""
@@ -139,7 +155,7 @@ def sample_logits(apply_fn: Stochastic, params: Any, x: jax.Array, keys: jax.Arr
     # One vmap axis over the B x S images, example-major: XLA:CPU runs this as fast as a plain
     # batch (an S-major or nested layout costs 3-5 % more per sample, benchmarks/eot_cost.py).
     out = jax.vmap(one)(jnp.repeat(x, samples, axis=0), keys.T.reshape(batch * samples))
-    return jnp.swapaxes(out.reshape(batch, samples, *out.shape[1:]), 0, 1).astype(jnp.float32)
+    return float32_logits(jnp.swapaxes(out.reshape(batch, samples, *out.shape[1:]), 0, 1))
 
 
 def fold_each(keys: jax.Array, data: int | jax.Array) -> jax.Array:

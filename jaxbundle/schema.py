@@ -75,6 +75,9 @@ MODEL_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("judging", "{mode, grid_examples, float_examples, grid_radius, statement}: how successes "
      "were judged", ""),
     ("data", "{name, n}", ""),
+    ("model_dtype", "{logits, params, compute, statement}: the dtype of the model's logits, of "
+     "its parameters and of its matrix products and convolutions (margins and judging use the "
+     "logits widened to float32 exactly)", ""),
     ("checks", "{check: {passed, saw, means, advice, examples}} (jaxbundle.checks)", ""),
     ("check_flag_names", "the columns of the per-example check_flags", ""),
     ("operating_characteristic", "{grid: [D], white_box | black_box | bundled: [P(D)]} "

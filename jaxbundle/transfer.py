@@ -21,7 +21,7 @@ import numpy as np
 from jaxbundle import goals as goals_lib
 from jaxbundle.attacks.base import Attack
 from jaxbundle.bundler import bundle, check_inputs
-from jaxbundle.sampling import is_stochastic
+from jaxbundle.sampling import float32_logits, is_stochastic
 
 __all__ = ["TransferResult", "transfer_bundle", "choose_by_votes", "transfer_figures"]
 
@@ -101,7 +101,7 @@ def transfer_bundle(
     eps_b = jnp.full(y.shape, eps, jnp.float32)
 
     def judge(xa):
-        s = goals_lib.score(xa, apply_fn(params, xa).astype(jnp.float32), x, y, norm)
+        s = goals_lib.score(xa, float32_logits(apply_fn(params, xa)), x, y, norm)
         return goals_lib.success("misclassify", s, eps_b)
 
     # A candidate that fools no surrogate is not submitted: the clean image is.

@@ -180,3 +180,44 @@ def check_inputs(
                 "those in float32, or round them to the grid first"
             )
     return num_classes
+
+
+_MATMULS = ("dot_general", "conv_general_dilated")
+
+
+def _matmul_dtypes(jaxpr: Any) -> set[str]:
+    """The dtypes of the operands of every matrix product and convolution in ``jaxpr`` and the
+    jaxprs inside it (jit, custom gradients, scans, conditionals)."""
+    found = set()
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _MATMULS:
+            found |= {str(v.aval.dtype) for v in eqn.invars}
+        for value in eqn.params.values():
+            for inner in value if isinstance(value, (tuple, list)) else (value,):
+                inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's own jaxpr
+                if hasattr(inner, "eqns"):
+                    found |= _matmul_dtypes(inner)
+    return found
+
+
+def model_dtypes(apply_fn: Callable, params: Any, x_shape: tuple[int, ...]) -> dict:
+    """What a report says of a model's precision: ``{"logits", "params", "compute",
+    "statement"}``: the dtype of its logits, of its parameters' floating leaves, of the operands
+    of its matrix products and convolutions (traced on float32 images ``x_shape``, nothing is
+    computed), and one line for the console. Whatever the model computes in, margins,
+    probabilities and judging use its logits widened to float32 exactly
+    (:func:`jaxbundle.sampling.float32_logits`)."""
+    image = jax.ShapeDtypeStruct(x_shape, jnp.float32)
+    closed = jax.make_jaxpr(sampling.fixed(apply_fn))(params, image)
+    logits = str(closed.out_avals[0].dtype)
+    leaves = [jnp.result_type(a) for a in jax.tree_util.tree_leaves(params)]
+    params_dtypes = sorted({str(d) for d in leaves if jnp.issubdtype(d, jnp.floating)})
+    compute = sorted(_matmul_dtypes(closed.jaxpr)) or [logits]
+    narrow = [d for d in dict.fromkeys(compute + [logits]) if jnp.dtype(d).itemsize < 4]
+    held = ", ".join(params_dtypes) or "none"
+    statement = f"model computes in {', '.join(compute)} (params {held}), logits {logits}"
+    if narrow:
+        statement += ("; margins and judging on its logits widened to float32 exactly, near "
+                      f"ties as its own {narrow[0]} argmax decides them")
+    return {"logits": logits, "params": params_dtypes, "compute": compute,
+            "statement": statement}

@@ -24,6 +24,8 @@ import json
 import math
 import pathlib
 import shutil
+import sys
+import types
 from typing import Callable, NamedTuple
 
 import jax
@@ -188,6 +190,80 @@ def check_the_job_from_python(ns, printed, cwd):
     assert printed == [f"{path} {m['robust_accuracy']}"]
 
 
+STYLES_PAGE = "docs/models-and-data.md"
+SAMPLE = np.linspace(0, 1, 2 * 28 * 28, dtype=np.float32).reshape(2, 28, 28, 1)
+
+
+def _load_style(needle: str, cwd: pathlib.Path):
+    """The block holding ``needle`` as a model file, loaded as ``jaxbundle evaluate --model``
+    loads it, and checked as the command checks it."""
+    from jaxbundle import models
+
+    [block] = [b for b in PYTHON_BLOCKS if b.page == STYLES_PAGE and needle in b.text]
+    path = cwd / f"style_{abs(hash(needle))}.py"
+    path.write_text(block.text)
+    loaded = models.load_model(f"{path}:model")
+    assert models.check_model(loaded.apply_fn, loaded.params, SAMPLE, num_classes=10) == 10
+    return loaded
+
+
+@check(STYLES_PAGE, 'params["w"] + params["b"][None, :]')
+def check_the_plain_style(ns, printed, cwd):
+    """(apply_fn, params) is taken as it is."""
+    loaded = _load_style('params["w"] + params["b"][None, :]', cwd)
+    assert loaded.apply_fn.__name__ == "apply_fn" and set(loaded.params) == {"w", "b"}
+    w = np.arange(7840, dtype=np.float32).reshape(784, 10) / 7840
+    np.testing.assert_allclose(loaded.apply_fn({"w": w, "b": np.ones(10, np.float32)}, SAMPLE),
+                               SAMPLE.reshape(2, -1) @ w + 1, rtol=1e-6)
+    assert printed == []
+
+
+@check(STYLES_PAGE, "use_running_average=not self.train")
+def check_the_linen_style(ns, printed, cwd):
+    """(module, variables): module.apply(variables, x), running averages read; the module built
+    for training is refused."""
+    from jaxbundle.adapters import ModelStyleError, as_apply_fn
+
+    loaded = _load_style("use_running_average=not self.train", cwd)
+    module, variables = ns["model"]()
+    assert set(loaded.params) == {"params", "batch_stats"}
+    np.testing.assert_allclose(jax.jit(loaded.apply_fn)(loaded.params, SAMPLE),
+                               module.apply(variables, SAMPLE), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ModelStyleError, match="is in training mode: it updates its variables"):
+        jax.eval_shape(as_apply_fn(ns["CNN"](train=True), variables)[0], variables, SAMPLE)
+    assert printed == []
+
+
+@check(STYLES_PAGE, "net.eval()")
+def check_the_nnx_style(ns, printed, cwd):
+    """An NNX module: its state is the params; without eval() it is refused."""
+    from flax import nnx
+
+    from jaxbundle.adapters import ModelStyleError, as_apply_fn
+
+    loaded = _load_style("net.eval()", cwd)
+    net = ns["model"]()
+    assert isinstance(loaded.params, nnx.State) and "kernel" in loaded.params["dense"]
+    np.testing.assert_allclose(jax.jit(loaded.apply_fn)(loaded.params, SAMPLE), net(SAMPLE),
+                               rtol=1e-6, atol=1e-6)
+    with pytest.raises(ModelStyleError, match=r"training mode .* call model.eval\(\)"):
+        as_apply_fn(ns["CNN"](nnx.Rngs(0)))
+    assert printed == []
+
+
+@check(STYLES_PAGE, "eqx.nn.inference_mode(Batched(")
+def check_the_equinox_style(ns, printed, cwd):
+    """An Equinox module: its arrays are the params; the batch is the per-image model's."""
+    loaded = _load_style("eqx.nn.inference_mode(Batched(", cwd)
+    net = ns["model"]().net
+    assert {a.shape for a in jax.tree.leaves(loaded.params)} == {
+        a.shape for a in (net.conv.weight, net.conv.bias, net.dense.weight, net.dense.bias)}
+    np.testing.assert_allclose(jax.jit(loaded.apply_fn)(loaded.params, SAMPLE),
+                               np.stack([net(image) for image in SAMPLE]), rtol=1e-5,
+                               atol=1e-6)
+    assert printed == []
+
+
 @check("docs/judging.md", "norms.grid_radius")
 def check_grid_radius(ns, printed, cwd):
     """Whole levels: floor(255 eps) in Linf; in L2 the largest integer under (255 eps)^2."""
@@ -230,6 +306,28 @@ def check_a_stochastic_model(ns, printed, cwd):
     assert m["checks"]["randomness"]["passed"]
 
 
+@check("docs/defences.md", "g = jaxbundle.bpda(squeeze)")
+def check_bpda(ns, printed, cwd):
+    """BPDA's forward pass is the preprocessing's exactly and its gradient the identity's; the
+    declared model is the same forward either way, and only the BPDA one has a gradient; the
+    random one is a stochastic model whose declaration has BPDA on."""
+    import jaxbundle
+
+    assert printed[0] == "True"
+    assert printed[1].split() == ["[3.", "3.", "3.", "3.", "3.]"]
+    assert printed[2].split() == ["[0.", "0.", "0.", "0.", "0.]"]
+    assert printed[3] == "False True True"
+    naive, bpda, noisy = ns["naive"], ns["bpda"], ns["noisy"]
+    w = jnp.arange(12.0).reshape(4, 3) / 10
+    x = jnp.linspace(0, 1, 8).reshape(2, 2, 2, 1)
+    np.testing.assert_array_equal(naive(w, x), bpda(w, x))
+    np.testing.assert_array_equal(naive(w, x), ns["classifier"](w, ns["squeeze"](x)))
+    loss = lambda m: lambda v: jnp.sum(m(w, v))  # noqa: E731
+    np.testing.assert_array_equal(jax.grad(loss(naive))(x), 0)
+    np.testing.assert_allclose(jax.grad(loss(bpda))(x).reshape(2, 4), [w.sum(1)] * 2, rtol=1e-6)
+    assert jaxbundle.sampling.is_stochastic(noisy) and ns["plan"].eot == 8
+
+
 def _copy_tiny_report(cwd: pathlib.Path, tiny: pathlib.Path) -> None:
     shutil.copytree(tiny, cwd / "jaxbundle-report")
 
@@ -269,7 +367,9 @@ def test_python_block(c: Check, request, tmp_path, monkeypatch, capsys):
         c.setup(tmp_path, request.getfixturevalue("tiny_report")
                 if c.setup is _copy_tiny_report else None)
     capsys.readouterr()
-    namespace: dict = {"__name__": f"docs_block_{c.check.__name__}"}
+    module = types.ModuleType(f"docs_block_{c.check.__name__}")
+    monkeypatch.setitem(sys.modules, module.__name__, module)  # dataclasses look it up
+    namespace = module.__dict__
     exec(compile(block.text, f"{block.page}:{block.line}", "exec"), namespace)
     printed = capsys.readouterr().out.splitlines()
     c.check(namespace, printed, tmp_path)

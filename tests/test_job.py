@@ -393,7 +393,8 @@ def test_run_job_as_a_library_call(user, tmp_path):
         "saw": "0 correctly classified examples were fooled by a surrogate's transfer and by "
                "no white-box attack on the model",
         "means": "another model's gradients fool it where its own do not (gradient masking)",
-        "advice": "trust the transfer or bundled figure; try BPDA, EOT, other losses"}
+        "advice": "trust the transfer or bundled figure; try --bpda (jaxbundle.with_bpda), "
+                  "--eot, other losses"}
     names = m["check_flag_names"]
     assert names[-2:] == ["non_monotone", "transfer_beats_white_box"]
     flags = evaluation.per_example["check_flags"]

@@ -10,6 +10,7 @@ import importlib.util
 import itertools
 import os
 import pathlib
+import re
 import sys
 import textwrap
 
@@ -236,7 +237,7 @@ def test_missing_function_lists_what_the_module_has(write_module):
         f"{module}:modle",
     )
     assert "sqrt" not in message and "_private" not in message
-    _error(ValueError, r"'LIMIT' is an int, not a function returning \(apply_fn, params\)",
+    _error(ValueError, r"'LIMIT' is an int, not a function returning the model$",
            load_model, f"{module}:LIMIT")
     empty = write_module("X = 1\n")
     _error(ValueError, "it defines no functions", load_model, f"{empty}:model")
@@ -258,18 +259,26 @@ def test_function_raising_is_wrapped(write_module):
     assert message.count("model 'net'") == 1
 
 
+STYLES = re.escape("(apply_fn, params), (linen_module, variables), an NNX module or an Equinox "
+                   "module")
+LINEN_ALONE = (r"\(jb_user_model_\d+:model\): a flax linen module needs its variables: return or "
+               r"pass \(module, variables\) or \(module.apply, variables\), variables as "
+               r"module.init returns them$")
+
+
 @pytest.mark.parametrize(
     "returned, match",
     [
-        ("None", r"model\(\) must return \(apply_fn, params\), got None$"),
-        ("(f, 1, 2)", r"must return \(apply_fn, params\), got a tuple of 3 items$"),
-        ("{'w': 1}", r"must return \(apply_fn, params\), got a dict$"),
-        ("f", r"must return \(apply_fn, params\), got a function$"),
+        ("None", rf"model\(\) must return {STYLES}, got None$"),
+        ("(f, 1, 2)", rf"must return {STYLES}, got a tuple of 3 items$"),
+        ("{'w': 1}", rf"must return {STYLES}, got a dict$"),
+        ("f", rf"must return {STYLES}, got a function$"),
         ("(1, {})", r"with apply_fn callable, got an int as apply_fn$"),
         ("({}, f)", r"got a dict as apply_fn \(the order is \(apply_fn, params\)\)$"),
         ("(jnp.ones(3), {})", r"got an array of shape \[3\] float32 as apply_fn$"),
-        ("(nn.Dense(3), {})", r"returned a flax module as apply_fn; return \(module.apply, "
-         r"params\)"),
+        ("(nn.Dense(3), {})", LINEN_ALONE),
+        ("(nn.Dense(3), None)", LINEN_ALONE),
+        ("nn.Dense(3)", LINEN_ALONE),
     ],
 )
 def test_wrong_return_value(write_module, returned, match):

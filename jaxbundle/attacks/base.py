@@ -217,7 +217,7 @@ class WhiteBoxModel:
         """Logits ``[S, B, K]`` (float32) of ``samples`` calls (``S = 1`` for a deterministic
         model)."""
         if not self.stochastic:
-            return self.apply_fn(self.params, x).astype(jnp.float32)[None]
+            return sampling.float32_logits(self.apply_fn(self.params, x))[None]
         if self.keys is None:
             raise ValueError("a stochastic model needs per-example keys")
         call = self._calls if self.fresh else 0
@@ -229,7 +229,7 @@ class WhiteBoxModel:
         """Logits ``[B, K]`` for images ``[B, ...]`` (in float32; a stochastic model's: the mean
         over its samples)."""
         if not self.stochastic:
-            return self.apply_fn(self.params, x).astype(jnp.float32)
+            return sampling.float32_logits(self.apply_fn(self.params, x))
         return jnp.mean(self.sample_logits(x), axis=0)
 
     def loss_and_grad(

@@ -8,7 +8,11 @@
   adversarial), :func:`pgd_linf`, :func:`accuracy`.
 * :mod:`~jaxbundle.models.cache`: :func:`load_or_train` and the demo models :data:`MODELS`.
 * :mod:`~jaxbundle.models.randomized`: :func:`randomized`, a randomised defence (input noise
-  and a random shift) around any model, and the demo defences :data:`DEFENCES`.
+  and a random shift) around any model.
+* :mod:`~jaxbundle.models.quantized`: :func:`quantized`, bit-depth reduction and JPEG-like
+  compression (gradients broken by design, for BPDA) around any model.
+* :data:`DEFENCES`: the demo defences by name (``--models randomized``, ``quantized``), each
+  a demo model behind one of these.
 * :mod:`~jaxbundle.models.loading`: a user's model from ``MODULE:FUNCTION`` (:func:`load_model`)
   and a sanity check of its logits (:func:`check_model`).
 
@@ -39,7 +43,10 @@ from jaxbundle.models.cache import (
 )
 from jaxbundle.models.layers import CanonicalConvolutions, Conv, canonical_convolutions, conv_same
 from jaxbundle.models.loading import LoadedModel, ModelSpec, check_model, load_model, parse_spec
-from jaxbundle.models.randomized import DEFENCES, Defence, randomized
+from jaxbundle.models.quantized import DEFENCES as _QUANTIZED
+from jaxbundle.models.quantized import Quantized, quantized
+from jaxbundle.models.randomized import DEFENCES as _RANDOMIZED
+from jaxbundle.models.randomized import Defence, randomized
 from jaxbundle.models.training import (
     ADVERSARIAL,
     ADVERSARIAL_LINEN,
@@ -53,6 +60,9 @@ from jaxbundle.models.training import (
 from jaxbundle.models.architectures import ApplyFn, Params  # noqa: F401
 from jaxbundle.models.cache import _atomic_write  # noqa: F401
 from jaxbundle.models.layers import _conv_forward  # noqa: F401
+
+# The demo defences by name: each has ``base`` (a name of MODELS) and ``wrap(apply_fn)``.
+DEFENCES: dict[str, Defence | Quantized] = {**_RANDOMIZED, **_QUANTIZED}
 
 __all__ = [
     "CODE_VERSION",
@@ -71,7 +81,9 @@ __all__ = [
     "MODELS",
     "DEFENCES",
     "Defence",
+    "Quantized",
     "randomized",
+    "quantized",
     "model_for",
     "model_name",
     "config_hash",

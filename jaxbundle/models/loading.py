@@ -3,8 +3,10 @@
 A model spec is ``MODULE:FUNCTION`` or ``NAME=MODULE:FUNCTION``. MODULE is a dotted module name
 importable from the current directory or ``sys.path`` (as with ``python -m``), or the path of a
 ``.py`` file (anything ending in ``.py`` or containing a path separator). ``FUNCTION()`` takes no
-arguments and returns ``(apply_fn, params)`` with ``apply_fn(params, x) -> logits``: ``x`` is
-float32 ``[B, H, W, C]`` in ``[0, 1]``, the logits ``[B, K]``. NAME defaults to FUNCTION.
+arguments and returns the model in one of four styles (:mod:`jaxbundle.adapters`): ``(apply_fn,
+params)`` with ``apply_fn(params, x) -> logits``, ``(linen_module, variables)``, a flax NNX
+module or an Equinox module, each mapping ``x`` float32 ``[B, H, W, C]`` in ``[0, 1]`` to logits
+``[B, K]``. NAME defaults to FUNCTION.
 
 Example::
 
@@ -32,12 +34,12 @@ import sys
 import types
 from typing import Any, Iterator, NamedTuple
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbundle import sampling
+from jaxbundle import adapters, sampling
+from jaxbundle.adapters import describe_value as _describe
 from jaxbundle.models.architectures import ApplyFn, Params
 from jaxbundle.sampling import is_stochastic
 
@@ -53,7 +55,7 @@ class ModelSpec(NamedTuple):
     Attributes:
       name: the model's name in reports.
       module: a dotted module name or the path of a ``.py`` file.
-      function: the name of the function in ``module`` that returns ``(apply_fn, params)``.
+      function: the name of the function in ``module`` that returns the model.
     """
 
     name: str
@@ -111,14 +113,15 @@ def load_model(spec: str | ModelSpec) -> LoadedModel:
         :class:`ModelSpec`.
 
     Returns:
-      ``(name, apply_fn, params)`` as ``FUNCTION()`` returned them (``apply_fn`` is only checked
-      to be callable; :func:`check_model` checks what it computes).
+      ``(name, apply_fn, params)``: what ``FUNCTION()`` returned, a module adapted by
+      :func:`jaxbundle.adapters.as_apply_fn` (``apply_fn`` is only checked to be callable;
+      :func:`check_model` checks what it computes).
 
     Raises:
       FileNotFoundError: MODULE is a path and there is no such file.
       ValueError: any other problem: the spec, a module that is missing or fails to import, a
-        missing function, ``FUNCTION()`` raising or returning something other than
-        ``(apply_fn, params)``.
+        missing function, ``FUNCTION()`` raising or returning none of
+        :data:`jaxbundle.adapters.STYLES`, a module in training mode.
     """
     if isinstance(spec, str):
         spec = parse_spec(spec)
@@ -137,23 +140,35 @@ def load_model(spec: str | ModelSpec) -> LoadedModel:
         except Exception as e:
             raise ValueError(f"{where}: {spec.function}() raised {_one_line(e)}") from e
 
-    if not isinstance(result, (tuple, list)) or len(result) != 2:
+    return LoadedModel(spec.name, *_as_apply_fn(result, spec, where))
+
+
+def _as_apply_fn(result: Any, spec: ModelSpec, where: str) -> tuple[ApplyFn, Params]:
+    """``FUNCTION()``'s ``result``, of any of the four styles, as ``(apply_fn, params)``."""
+    origin = f"{spec.module}:{spec.function}"
+    if adapters.is_nnx_module(result) or adapters.is_equinox_module(result):
+        return adapters.as_apply_fn(result, name=spec.name, origin=origin)
+    pair = isinstance(result, (tuple, list)) and len(result) == 2
+    if not pair and not adapters.is_linen_module(result):
         raise ValueError(
-            f"{where}: {spec.function}() must return (apply_fn, params), got {_describe(result)}"
+            f"{where}: {spec.function}() must return {adapters.STYLES}, got {_describe(result)}"
         )
-    apply_fn, params = result
-    if isinstance(apply_fn, nn.Module):
+    apply_fn, params = result if pair else (result, None)  # a linen module alone: refused below
+    if adapters.is_nnx_module(apply_fn) or adapters.is_equinox_module(apply_fn):
         raise ValueError(
-            f"{where}: {spec.function}() returned a flax module as apply_fn; return "
-            "(module.apply, params)"
+            f"{where}: {spec.function}() returned ({_describe(apply_fn)}, "
+            f"{_describe(params)}); return an NNX or Equinox module alone (it holds its own "
+            "arrays)"
         )
+    if adapters.is_linen_module(apply_fn):
+        return adapters.as_apply_fn(apply_fn, params, name=spec.name, origin=origin)
     if not callable(apply_fn):
         swapped = " (the order is (apply_fn, params))" if callable(params) else ""
         raise ValueError(
             f"{where}: {spec.function}() must return (apply_fn, params) with apply_fn callable, "
             f"got {_describe(apply_fn)} as apply_fn{swapped}"
         )
-    return LoadedModel(spec.name, apply_fn, params)
+    return apply_fn, params
 
 
 def check_model(
@@ -204,6 +219,8 @@ def _jitted_run(apply_fn: ApplyFn, params: Params, x: jax.Array, where: str,
     """``apply_fn(params, x)`` under a fresh ``jax.jit`` trace, as a numpy array."""
     try:
         out = jax.jit(lambda p, images: apply_fn(p, images))(params, x)  # a fresh trace
+    except adapters.ModelStyleError:  # one line naming the model already
+        raise
     except Exception as e:
         raise ValueError(
             f"{where} fails under jax.jit on images of shape {list(x.shape)} float32: "
@@ -345,21 +362,9 @@ def _function(module: types.ModuleType, spec: ModelSpec, where: str) -> Any:
     if not callable(fn):
         raise ValueError(
             f"{where}: {spec.function!r} is {_describe(fn)}, not a function returning "
-            "(apply_fn, params)"
+            "the model"
         )
     return fn
-
-
-def _describe(obj: Any) -> str:
-    """A short description of a value for an error message: 'None', 'a tuple of 3 items'."""
-    if obj is None:
-        return "None"
-    if isinstance(obj, (tuple, list)):
-        return f"a {type(obj).__name__} of {len(obj)} items"
-    if hasattr(obj, "shape") and hasattr(obj, "dtype"):
-        return f"an array of shape {list(obj.shape)} {obj.dtype}"
-    kind = type(obj).__name__
-    return f"{'an' if kind[0] in 'aeiouAEIOU' else 'a'} {kind}"
 
 
 def _one_line(e: BaseException) -> str:

@@ -62,5 +62,9 @@ class Defence(NamedTuple):
     noise: float
     shift: int
 
+    def wrap(self, apply_fn: Callable[[Any, jax.Array], jax.Array]) -> Stochastic:
+        """The base model's ``apply_fn`` behind the defence."""
+        return randomized(apply_fn, noise=self.noise, shift=self.shift)
+
 
 DEFENCES = {"randomized": Defence("adversarial", noise=0.1, shift=2)}
