@@ -7,8 +7,8 @@ grid labelled with the model's own prediction. PGD-``--steps`` Linf 4/255, one b
 mode. Variants, interleaved in one process (``harness.run_interleaved``), medians over
 ``--repeats`` rounds:
 
-* ``floor_*``: ``steps`` chained forward+backward passes of the plain model (harness); the best
-  median is the floor;
+* ``floor_*``: ``steps`` forward+backward passes of the plain model, chained calls and unrolled
+  in one jit (harness); the best median is the floor;
 * ``bundle``: ``bundler.bundle([pgd], ..., goals=("misclassify",))``;
 * ``evaluate_misclassify``: :func:`jaxbundle.evaluate`, the misclassify goal alone;
 * ``evaluate_goals``: :func:`jaxbundle.evaluate` with its default goals (misclassify, max
@@ -19,6 +19,7 @@ state the bundler keeps (its best candidates and attack states) at this shape.
 
     python benchmarks/imagenet_overhead.py --n 16 --steps 10 --repeats 3 \\
         --out benchmarks/results/imagenet_overhead.json
+    python benchmarks/imagenet_overhead.py --memory --out benchmarks/results/imagenet_memory.json
 """
 
 from __future__ import annotations
@@ -97,8 +98,9 @@ def bench(n: int, steps: int, repeats: int) -> dict:
     attack = pgd(norm="linf", loss="ce", steps=steps, step_size=EPS / 4, random_start=True)
     key = jax.random.key(1)
     variants = make_floors(apply_fn, params, jnp.asarray(x), jnp.asarray(y), steps)
-    variants = {"floor_a_chain": variants["floor_a_chain"],
-                "floor_c_fori": variants["floor_c_fori"]}
+    # the issue's floor (unrolled in one jit) and the chained calls; a fori_loop measured 3x
+    # slower on these cores (XLA:CPU's input-gradient convolution inside a loop)
+    variants = {k: variants[k] for k in ("floor_a_chain", "floor_b_unrolled")}
     variants["bundle"] = lambda: bundler.bundle(
         [attack], apply_fn, params, x, y, key, eps=EPS, goals=("misclassify",)
     ).best["misclassify"].x
@@ -132,6 +134,42 @@ def bench(n: int, steps: int, repeats: int) -> dict:
     }
 
 
+def _bundle_bytes(attack, plan, apply_fn, params, goals, batch: int) -> int:
+    """Bytes XLA plans for attack ``attack``'s bundle program (temporaries and outputs) on a
+    batch of ``batch`` 224x224x3 images (compiled, not run)."""
+    shape = lambda dtype, *s: jax.ShapeDtypeStruct((batch, *s), dtype)  # noqa: E731
+    m = bundler._bundle.lower(
+        params, shape(jnp.float32, 224, 224, 3), shape(jnp.int32), jax.random.key(0),
+        shape(jnp.int32), shape(jnp.float32), apply_fn=apply_fn, attacks=(attack,),
+        goal_names=goals, norm=plan.norm, judging="auto", unroll=1,
+        restart_mode=plan.restart_mode).compile().memory_analysis()
+    return int(m.temp_size_in_bytes + m.output_size_in_bytes)
+
+
+def memory(norm: str, mode: str) -> dict:
+    """Per example: the compiled bundle program of each attack of the ``default`` bundle as it
+    runs (a cascade runs its restarts one after another), against jaxbundle.memory's rule."""
+    from jaxbundle import bundles, evaluation, memory as memory_lib
+
+    apply_fn, params = model()
+    eps = EPS if norm == "linf" else 0.5
+    plan = bundles.plan("default", norm, eps, **({} if mode == "cascade" else {"mode": mode}))
+    fn, attacks = evaluation.for_model(plan, apply_fn)
+    goals = bundler.goals_for(plan.goal_names, attacks)
+    rows = {}
+    for a in attacks:
+        one = a._replace(num_restarts=1) if plan.restart_mode == "cascade" else a
+        small, large = (_bundle_bytes(one, plan, fn, params, goals, b) for b in (2, 4))
+        rule, _ = memory_lib.per_example_bytes([one], plan.restart_mode, fn, params,
+                                               (224, 224, 3))
+        rows[a.name] = {"compiled_mb_per_example": (large - small) / 2 / 2**20,
+                        "rule_mb_per_example": rule / 2**20}
+        print(f"  {norm} {mode} {a.name}: {rows[a.name]}", flush=True)
+    size = memory_lib.auto_batch_size(attacks, plan.restart_mode, fn, params, (224, 224, 3))
+    return {"norm": norm, "eps": eps, "mode": mode, "attacks": rows,
+            "free_gb": memory_lib.free_bytes() / 2**30, "auto_batch_size": size}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=16)
@@ -139,7 +177,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", type=pathlib.Path,
                    default=pathlib.Path(__file__).parent / "results" / "imagenet_overhead.json")
+    p.add_argument("--memory", action="store_true",
+                   help="only the memory per example of the default bundle's programs")
     args = p.parse_args(argv)
+    if args.memory:
+        out = {"machine": machine_facts(),
+               "memory": [memory(norm, "cascade") for norm in ("linf", "l2")]}
+        args.out.write_text(json.dumps(out, indent=1) + "\n")
+        return 0
     out = {"machine": machine_facts(), "result": bench(args.n, args.steps, args.repeats)}
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     for k, v in out["result"]["variants"].items():

@@ -36,7 +36,7 @@ import jax.numpy as jnp
 
 from jaxbundle import goals as goals_lib, norms, sampling
 from jaxbundle.attacks.base import Attack, WhiteBoxModel, per_example_keys, threat_model
-from jaxbundle.canonical import canonical_convolutions
+from jaxbundle.canonical import fast_gradients
 from jaxbundle.goals import BestState
 from jaxbundle.judge import STRETCH, check_judging, judged_on_grid, judged_score, verify
 from jaxbundle.judge import held_out as judge_held_out
@@ -128,16 +128,6 @@ def _fold_leading_axis(
 
     best, _ = jax.lax.scan(body, first, rest)
     return best
-
-
-def _fast_gradients(apply_fn: Callable[[Any, jax.Array], jax.Array]):
-    """On CPU, ``apply_fn`` with canonical-gradient convolutions (same numbers; XLA:CPU runs
-    JAX's own input-gradient convolution 4-6x slower inside the attacks' loops)."""
-    if jax.default_backend() != "cpu":
-        return apply_fn
-    if sampling.is_stochastic(apply_fn):
-        return apply_fn._replace(apply_fn=canonical_convolutions(apply_fn.apply_fn))
-    return canonical_convolutions(apply_fn)
 
 
 def _restart_keys(keys: jax.Array, index: int, restart: int | jax.Array) -> jax.Array:
@@ -344,7 +334,7 @@ def _setup(params, x, y, eps, apply_fn, norm, judging, keys):
     # On the grid the ball holds whole levels only: attacks aim at the radius the judge allows
     # (76/255 for Linf 0.3), so that rounding never has to cut a saturated perturbation back.
     eps = jnp.where(grid, norms.grid_radius(eps, norm), eps)
-    apply_fn = _fast_gradients(apply_fn)
+    apply_fn = fast_gradients(apply_fn)
     if not sampling.is_stochastic(apply_fn):
         return x, y, eps, grid, WhiteBoxModel(apply_fn, params, grid)
     model = WhiteBoxModel(apply_fn, params, grid, sampling.judge_keys(keys),

@@ -16,7 +16,9 @@ import jax
 import jax.extend.core
 import jax.numpy as jnp
 
-__all__ = ["CanonicalConvolutions", "canonical_convolutions", "conv_same"]
+from jaxbundle import sampling
+
+__all__ = ["CanonicalConvolutions", "canonical_convolutions", "conv_same", "fast_gradients"]
 
 
 def _same_padding(size: int, kernel: int, stride: int) -> tuple[int, int, int]:
@@ -216,3 +218,15 @@ def canonical_convolutions(apply_fn: Callable[..., Any]) -> Callable[..., Any]:
     if isinstance(apply_fn, CanonicalConvolutions):
         return apply_fn
     return CanonicalConvolutions(apply_fn)
+
+
+def fast_gradients(apply_fn: Callable[..., Any]) -> Callable[..., Any]:
+    """On CPU, ``apply_fn`` (or a stochastic model's, :func:`jaxbundle.stochastic`) with
+    canonical-gradient convolutions (:func:`canonical_convolutions`: the same numbers); on other
+    backends ``apply_fn`` as it is. The bundler's white-box models, and the clean gradient of
+    the ``zero_gradients`` check (0.83 -> 0.73 s for a ResNet-18 on 16 images at 224x224)."""
+    if jax.default_backend() != "cpu":
+        return apply_fn
+    if sampling.is_stochastic(apply_fn):
+        return apply_fn._replace(apply_fn=canonical_convolutions(apply_fn.apply_fn))
+    return canonical_convolutions(apply_fn)

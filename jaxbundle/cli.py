@@ -39,7 +39,8 @@ def build_plan(args: argparse.Namespace, norm: str, eps: float) -> Plan:
         ("steps", args.steps), ("restarts", args.restarts), ("step_size", args.step_size),
         ("queries", args.queries), ("threshold", args.threshold), ("budget", args.budget),
         ("segments", args.segments), ("buckets", args.buckets),
-        ("batch_size", args.batch_size), ("seed", args.seed),
+        ("batch_size", None if args.batch_size == "auto" else args.batch_size),
+        ("seed", args.seed),
         ("judging", args.judging), ("eot", args.eot), ("judge_calls", args.judge_calls),
         ("success_threshold", args.success_threshold)) if v is not None}
     mode = {} if args.schedule is None else {"mode": args.schedule}
@@ -64,6 +65,11 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
+
+
+def _batch_size(text: str) -> int | str:
+    """``--batch-size``: a positive integer, or ``auto`` (:mod:`jaxbundle.memory`)."""
+    return "auto" if text.strip().lower() == "auto" else _positive_int(text)
 
 
 def _non_negative_float(text: str) -> float:
@@ -284,9 +290,10 @@ def _run_flags(ev: argparse.ArgumentParser) -> None:
     run = ev.add_argument_group("running")
     run.add_argument("--seed", type=int, default=None, help="example i draws from "
                      "fold_in(key(seed), i) (default 0)")
-    run.add_argument("--batch-size", type=_positive_int, default=None,
+    run.add_argument("--batch-size", type=_batch_size, default=None, metavar="N|auto",
                      help="rows per batch at most (default 250; the examples are split into "
-                          "equal batches)")
+                          "equal batches); auto: the most that fit half the free memory of a "
+                          "device, per model (jaxbundle.memory)")
     run.add_argument("--dry-run", action="store_true",
                      help="build and check the plan, print it as JSON and stop")
     run.add_argument("--out", default="jaxbundle-report", help="report directory")
@@ -401,7 +408,8 @@ def _evaluate(args: argparse.Namespace, console: Console) -> None:
     if args.dry_run:
         print(json.dumps({"plan": plan.describe(), "threat_model": preset,
                           "data": {"name": source.name, "n": len(source)},
-                          "models": demo_names + list(args.model), "bpda": args.bpda},
+                          "models": demo_names + list(args.model), "bpda": args.bpda,
+                          "batch_size_auto": args.batch_size == "auto"},
                          indent=2))
         return
     cache = args.cache_dir or str(models.default_cache_dir())
@@ -410,7 +418,7 @@ def _evaluate(args: argparse.Namespace, console: Console) -> None:
             refs, source, plan, out=args.out, shifts=not args.no_shifts,
             checkpoint_dir=args.checkpoint_dir, save_images=args.save_images,
             best_effort=args.best_effort, surrogates=surrogates, bpda=args.bpda,
-            threat_model=preset,
+            auto_batch=args.batch_size == "auto", threat_model=preset,
             console=console, show_progress=not args.no_progress,
         )
     if path is not None:

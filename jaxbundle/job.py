@@ -235,6 +235,7 @@ class JobOptions(NamedTuple):
     best_effort: bool = False  # RoBIC's best-effort distortions (bisection on eps up to eps)
     surrogates: Sequence[ModelRef] = ()  # models the attacker owns: transfer of their candidates
     bpda: bool = False  # attack the models that declare a preprocessing with BPDA
+    auto_batch: bool = False  # each model's batch size fitted to the memory (jaxbundle.memory)
 
 
 def run_job(
@@ -263,7 +264,8 @@ def run_job(
       show_progress: progress bars on ``console``.
       options: the fields of :class:`JobOptions` (``shifts``, ``checkpoint_dir``,
         ``save_images``, ``best_effort``, ``surrogates``; ``bpda``: the models that declare a
-        preprocessing, :func:`jaxbundle.defended`, attacked with BPDA, the others as they are).
+        preprocessing, :func:`jaxbundle.defended`, attacked with BPDA, the others as they are;
+        ``auto_batch``: each model's batch size fitted to the memory, :func:`fitted_batch_size`).
         Data held in memory (``source.in_memory``: the embedded sample, arrays) also keeps the
         adversarial images in the report's per-example file.
 
@@ -332,6 +334,8 @@ def _evaluate_model(ref: ModelRef, apply_fn: Callable, params: Any, source: data
                 "support stochastic models yet (drop --best-effort / --surrogate)")
     else:  # --eot and the judge's settings are for the stochastic models of the job
         plan = plan.replace(eot=1, judge_calls=None, success_threshold=None)
+    if job.auto_batch:
+        plan = plan.replace(batch_size=fitted_batch_size(plan, apply_fn, params, source.shape))
     task = progress.add_task(f"{ref.name}: attack", total=None)
     start = time.perf_counter()
     evaluation = evaluate(
@@ -369,6 +373,23 @@ def _evaluate_model(ref: ModelRef, apply_fn: Callable, params: Any, source: data
                    "{count} correctly classified examples were fooled by a surrogate's "
                    "transfer and by no white-box attack on the model")
     return evaluation._replace(metrics=metrics), time.perf_counter() - start
+
+
+def fitted_batch_size(plan: Plan, apply_fn: Callable, params: Any,
+                      image_shape: Sequence[int]) -> int:
+    """The batch size of :func:`jaxbundle.memory.auto_batch_size` for ``plan``'s attacks on this
+    model, over every device of every process (the smallest of the processes' answers, so that
+    all run the same batches)."""
+    from jaxbundle import memory
+
+    devices = jax.device_count()
+    size = memory.auto_batch_size(for_model(plan, apply_fn)[1], plan.restart_mode, apply_fn,
+                                  params, image_shape, devices=devices)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        size = int(np.min(multihost_utils.process_allgather(np.int64(size))))
+    return size
 
 
 def _load_checked(ref: ModelRef, progress, description: str, sample_x: np.ndarray,

@@ -22,6 +22,7 @@ from jaxbundle import checks as checks_lib
 from jaxbundle import schedule as schedule_lib
 from jaxbundle.attacks.base import Attack
 from jaxbundle.bundler import bundle, glue_jit
+from jaxbundle.canonical import fast_gradients
 from jaxbundle.metrics import Counts, Setting
 from jaxbundle.outputs import per_example_arrays
 from jaxbundle.plan import Plan
@@ -137,7 +138,8 @@ def _summary(result, x, y, example_id, mask, eps, attacks, mesh, apply_fn, param
     eps_b = jnp.full(y.shape, eps, jnp.float32)
     outputs = dict(per_example_arrays(result, x, eps_b, setting.black_box), label=y,
                    example_id=example_id,
-                   zero_gradient=checks_lib.zero_gradients(apply_fn, params, x, y))
+                   zero_gradient=checks_lib.zero_gradients(fast_gradients(apply_fn), params,
+                                                           x, y))
     if is_stochastic(apply_fn):  # the fraction of the held-out calls each image fools, and
         # of the judge's calls that chose the winner (biased upward: the best of several)
         outputs.update(success_rate=result.best["misclassify"].score.rate,

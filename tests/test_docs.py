@@ -264,6 +264,21 @@ def check_the_equinox_style(ns, printed, cwd):
     assert printed == []
 
 
+@check("docs/python-api.md", "memory.auto_batch_size(")
+def check_auto_batch_size(ns, printed, cwd):
+    """The batch fits half the free memory at the rule's bytes per example; the default plan
+    runs APGD-T's 5 restarts at once, so an example needs 5 times what one restart does."""
+    from jaxbundle import memory
+
+    size, per_example, fixed = ns["size"], ns["per_example"], ns["fixed"]
+    assert ns["plan"].batch_size == size >= 1
+    assert size * per_example + fixed <= memory.FRACTION * memory.free_bytes() * 1.1
+    one, _ = memory.per_example_bytes([a._replace(num_restarts=1) for a in ns["attacks"]],
+                                      "vmap", ns["apply_fn"], ns["params"], (28, 28, 1))
+    assert per_example == 5 * one
+    assert printed == []
+
+
 @check("docs/judging.md", "norms.grid_radius")
 def check_grid_radius(ns, printed, cwd):
     """Whole levels: floor(255 eps) in Linf; in L2 the largest integer under (255 eps)^2."""

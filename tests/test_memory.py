@@ -1,0 +1,87 @@
+"""``--batch-size auto``: the memory an evaluation needs per example, and the batch that fits."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxbundle import bundler, memory
+from jaxbundle.attacks import apgd, pgd
+from jaxbundle.cli import main
+from jaxbundle.models import LinenCNN
+
+SHAPE = (28, 28, 1)
+
+
+def _model():
+    net = LinenCNN()
+    return net.apply, net.init(jax.random.key(0), jnp.zeros((1, *SHAPE)))
+
+
+def _compiled_per_example(apply_fn, params, attack, restart_mode):
+    def planned(batch):
+        s = lambda dtype, *rest: jax.ShapeDtypeStruct((batch, *rest), dtype)  # noqa: E731
+        m = bundler._bundle.lower(
+            params, s(jnp.float32, *SHAPE), s(jnp.int32), jax.random.key(0), s(jnp.int32),
+            s(jnp.float32), apply_fn=apply_fn, attacks=(attack,), goal_names=bundler.goals_for(
+                ("misclassify", "max_confidence", "min_norm"), (attack,)),
+            norm="linf", judging="auto", unroll=1, restart_mode=restart_mode,
+        ).compile().memory_analysis()
+        return m.temp_size_in_bytes + m.output_size_in_bytes
+
+    return (planned(16) - planned(8)) / 8
+
+
+@pytest.mark.parametrize("attack, restart_mode", [
+    (pgd(norm="linf", steps=3, restarts=3, step_size=0.01), "vmap"),
+    (pgd(norm="linf", steps=3, restarts=3, step_size=0.01), "cascade"),
+    (apgd(norm="linf", steps=4), "vmap"),
+])
+def test_the_rule_bounds_what_xla_plans_for_the_bundle(attack, restart_mode):
+    apply_fn, params = _model()
+    if restart_mode == "cascade":  # a cascade of restarts runs one restart at a time
+        compiled = _compiled_per_example(apply_fn, params, attack._replace(num_restarts=1),
+                                         "vmap")
+    else:
+        compiled = _compiled_per_example(apply_fn, params, attack, restart_mode)
+    rule, fixed = memory.per_example_bytes([attack], restart_mode, apply_fn, params, SHAPE)
+    assert compiled <= rule <= 3 * compiled
+    assert fixed > 0
+    at_once = attack.num_restarts if restart_mode == "vmap" else 1
+    one, _ = memory.per_example_bytes([attack._replace(num_restarts=1)], "vmap", apply_fn,
+                                      params, SHAPE)
+    assert rule == at_once * one
+
+
+def test_the_batch_fits_half_the_free_memory():
+    apply_fn, params = _model()
+    attacks = [pgd(norm="linf", steps=3, restarts=2, step_size=0.01)]
+    per_example, fixed = memory.per_example_bytes(attacks, "vmap", apply_fn, params, SHAPE)
+    for free in (fixed * 2 + 100 * per_example, fixed * 2 + 1000 * per_example + 7):
+        size = memory.auto_batch_size(attacks, "vmap", apply_fn, params, SHAPE, free=free)
+        assert size * per_example + fixed <= memory.FRACTION * free
+        assert (size + 1) * per_example + fixed > memory.FRACTION * free
+        four = memory.auto_batch_size(attacks, "vmap", apply_fn, params, SHAPE, devices=4,
+                                      free=free)  # free memory of each of 4 devices
+        assert four == 4 * size
+    assert memory.auto_batch_size(attacks, "vmap", apply_fn, params, SHAPE, devices=2,
+                                  free=0) == 2  # at least one example per device
+    assert memory.auto_batch_size(attacks, "vmap", apply_fn, params, SHAPE,
+                                  free=10**15) == memory.MAX_BATCH
+    assert 0 < memory.free_bytes()
+
+
+def test_the_command_takes_auto(tmp_path, capsys):
+    assert main(["evaluate", "--batch-size", "auto", "--dry-run", "--n", "8"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["batch_size_auto"] is True and shown["plan"]["run"]["batch_size"] == 250
+    with pytest.raises(SystemExit):
+        main(["evaluate", "--batch-size", "0", "--dry-run"])
+    assert main(["evaluate", "--model", "examples/plain_model.py:model", "--n", "8",
+                 "--attacks", "fgsm", "--eps", "0.05", "--batch-size", "auto", "--no-shifts",
+                 "--no-progress", "--out", str(tmp_path)]) == 0
+    record = json.loads((tmp_path / "report.json").read_text())["models"]["model"]
+    assert 8 <= record["plan"]["run"]["batch_size"] <= memory.MAX_BATCH
