@@ -20,8 +20,11 @@ import numpy as np
 from jaxbundle import files as files_lib
 from jaxbundle.metrics import Counts
 
-__all__ = ["State", "describe", "fingerprint", "load", "load_images", "params_digest", "save",
+__all__ = ["FILE", "State", "describe", "fingerprint", "load", "load_images", "params_digest",
+           "saved_batch_size", "save",
            "save_images"]
+
+FILE = "checkpoint.npz"  # an evaluation's checkpoint, in its checkpoint directory
 
 
 def describe(value: Any) -> Any:
@@ -112,6 +115,16 @@ def load(path: str, identity_: str, empty: State) -> State:
             saved["stages"],
             (saved["gallery_id"], saved["gallery_x_adv"]),
         )
+
+
+def saved_batch_size(directory: str) -> int | None:
+    """The batch size of the run checkpointed in ``directory`` (None: no checkpoint there), so
+    that a run whose batch size was fitted to the memory resumes with the same one."""
+    path = os.path.join(directory, FILE)
+    if not os.path.exists(path):
+        return None
+    with np.load(path) as saved:
+        return int(json.loads(str(saved["identity"]))["plan"]["run"]["batch_size"])
 
 
 def save(path: str, identity_: str, state: State) -> None:

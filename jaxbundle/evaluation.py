@@ -293,7 +293,7 @@ def _resume(run: _Run, apply_fn: Callable, params: Any, keep_images: bool, uint8
         return state, None
     os.makedirs(checkpoint_dir, exist_ok=True)
     identity = _identity(run, apply_fn, params, keep_images)
-    path = os.path.join(checkpoint_dir, "checkpoint.npz")
+    path = os.path.join(checkpoint_dir, checkpoint.FILE)
     state = checkpoint.load(path, identity, state)
     if jax.process_count() > 1:
         multihost_utils.assert_equal(

@@ -30,6 +30,7 @@ from jaxbundle import curves
 from jaxbundle import data as data_lib
 from jaxbundle import models as models_lib
 from jaxbundle import schema
+from jaxbundle.checkpoint import saved_batch_size
 from jaxbundle.defences import declared, with_bpda
 from jaxbundle.evaluation import Evaluation, evaluate, for_model
 from jaxbundle.plan import Plan
@@ -334,14 +335,16 @@ def _evaluate_model(ref: ModelRef, apply_fn: Callable, params: Any, source: data
                 "support stochastic models yet (drop --best-effort / --surrogate)")
     else:  # --eot and the judge's settings are for the stochastic models of the job
         plan = plan.replace(eot=1, judge_calls=None, success_threshold=None)
-    if job.auto_batch:
-        plan = plan.replace(batch_size=fitted_batch_size(plan, apply_fn, params, source.shape))
+    ckpt = None if job.checkpoint_dir is None else os.path.join(job.checkpoint_dir, ref.name)
+    if job.auto_batch:  # a resumed run keeps the size it was fitted to (its identity has it)
+        saved = None if ckpt is None else saved_batch_size(ckpt)
+        plan = plan.replace(batch_size=saved or fitted_batch_size(plan, apply_fn, params,
+                                                                  source.shape))
     task = progress.add_task(f"{ref.name}: attack", total=None)
     start = time.perf_counter()
     evaluation = evaluate(
         apply_fn, params, source, plan,
-        checkpoint_dir=(None if job.checkpoint_dir is None
-                        else os.path.join(job.checkpoint_dir, ref.name)),
+        checkpoint_dir=ckpt,
         images_dir=os.path.join(job.out, "adversarial", ref.name) if job.save_images else None,
         progress=lambda done, total: progress.update(task, completed=done, total=total),
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -85,3 +86,17 @@ def test_the_command_takes_auto(tmp_path, capsys):
                  "--no-progress", "--out", str(tmp_path)]) == 0
     record = json.loads((tmp_path / "report.json").read_text())["models"]["model"]
     assert 8 <= record["plan"]["run"]["batch_size"] <= memory.MAX_BATCH
+
+
+def test_a_fitted_batch_size_resumes_with_its_checkpoint(tmp_path, monkeypatch):
+    """The free memory differs between a run and its resumption: the resumed run keeps the
+    batch size its checkpoint was made with (a changed batch size is another run, refused)."""
+    monkeypatch.chdir(pathlib.Path(__file__).resolve().parents[1] / "examples")
+    argv = ["evaluate", "--model", "plain_model:model", "--n", "8", "--attacks", "fgsm",
+            "--eps", "0.05", "--batch-size", "auto", "--no-shifts", "--no-progress",
+            "--checkpoint-dir", str(tmp_path / "ckpt")]  # a dotted module: imported once
+    for fitted in (8, 4):  # one batch of 8, then two of 4
+        monkeypatch.setattr(memory, "auto_batch_size", lambda *a, size=fitted, **k: size)
+        assert main(argv + ["--out", str(tmp_path / f"out{fitted}")]) == 0
+        record = json.loads((tmp_path / f"out{fitted}" / "report.json").read_text())
+        assert record["models"]["model"]["plan"]["run"]["batch_size"] == 8
