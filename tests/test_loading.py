@@ -6,7 +6,6 @@ a two-layer ``nn.Conv`` network), so the whole file runs in seconds.
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import os
 import pathlib
@@ -24,8 +23,7 @@ import pytest
 import jaxbundle
 from jaxbundle import models
 from jaxbundle.models import LoadedModel, ModelSpec, check_model, load_model, parse_spec
-
-EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+from toys import EXAMPLES, import_example
 X = np.random.default_rng(0).uniform(size=(4, 28, 28, 1)).astype(np.float32)
 
 LINEAR = """
@@ -64,14 +62,6 @@ def _error(exc_type, match, fn, *args, **kwargs) -> str:
     message = str(info.value)
     assert "\n" not in message, message
     return message
-
-
-def _import_example(name: str):
-    spec = importlib.util.spec_from_file_location(f"jb_example_{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # flax modules (dataclasses) look themselves up here
-    spec.loader.exec_module(module)
-    return module
 
 
 # ----------------------------------------------------------------------------- specs
@@ -418,7 +408,7 @@ def test_examples_load_and_give_logits(monkeypatch):
 
 def test_example_weights_round_trip(tmp_path, monkeypatch):
     """Weights saved with flax.serialization or orbax load back to identical logits."""
-    example = _import_example("linen_model")
+    example = import_example("linen_model")
     params = _random_params(example.abstract_params)
     want = np.asarray(example.apply_fn(params, X))
 
@@ -434,7 +424,7 @@ def test_example_weights_round_trip(tmp_path, monkeypatch):
 
 
 def test_plain_example_weights_round_trip(tmp_path):
-    example = _import_example("plain_model")
+    example = import_example("plain_model")
     _, params = example.model()
     params = {"w": params["w"] + 0.5, "b": params["b"] - 1.0}
     np.savez(tmp_path / "w.npz", **params)

@@ -10,7 +10,6 @@ embedded sample, attacked by FGSM: a few seconds a test.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 import subprocess
@@ -30,9 +29,9 @@ from jaxbundle import data
 from jaxbundle.adapters import AdaptedModel, ModelStyleError, as_apply_fn
 from jaxbundle.cli import main
 from jaxbundle.models import check_model, load_model
+from toys import EXAMPLES, import_example
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-EXAMPLES = ROOT / "examples"
+ROOT = EXAMPLES.parent
 STYLES = ["nnx_model", "equinox_model", "linen_batchnorm_model"]
 X = np.random.default_rng(0).uniform(size=(4, 28, 28, 1)).astype(np.float32)
 
@@ -70,14 +69,6 @@ def linen_batchnorm_model():
     module, variables = _example("linen_batchnorm_model").model()
     return module.apply, variables
 """
-
-
-def _example(name: str):
-    spec = importlib.util.spec_from_file_location(f"jb_style_{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # flax modules (dataclasses) look themselves up here
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture
@@ -129,7 +120,7 @@ def test_the_command_gives_the_hand_written_models_numbers(style, hand_written, 
 def _module_and_params(style: str):
     """What ``jaxbundle.evaluate`` takes for the example: a module and None, or (for linen) the
     module and its variables."""
-    made = _example(style).model()
+    made = import_example(style).model()
     return made if isinstance(made, tuple) else (made, None)
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import pathlib
 import socket
 import subprocess
 import sys
@@ -10,6 +12,17 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
+
+
+def import_example(name: str):
+    """``examples/<name>.py`` imported as a module of its own (each call afresh)."""
+    spec = importlib.util.spec_from_file_location(f"jb_example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # flax modules (dataclasses) look themselves up here
+    spec.loader.exec_module(module)
+    return module
 
 
 def linear_apply(params, x):
