@@ -144,31 +144,24 @@ def load_model(spec: str | ModelSpec) -> LoadedModel:
 
 
 def _as_apply_fn(result: Any, spec: ModelSpec, where: str) -> tuple[ApplyFn, Params]:
-    """``FUNCTION()``'s ``result``, of any of the four styles, as ``(apply_fn, params)``."""
-    origin = f"{spec.module}:{spec.function}"
-    if adapters.is_nnx_module(result) or adapters.is_equinox_module(result):
-        return adapters.as_apply_fn(result, name=spec.name, origin=origin)
-    pair = isinstance(result, (tuple, list)) and len(result) == 2
-    if not pair and not adapters.is_linen_module(result):
+    """``FUNCTION()``'s ``result``, of any of the four styles, as ``(apply_fn, params)``
+    (:func:`jaxbundle.adapters.as_apply_fn`, which also refuses a module given with params)."""
+    modular = (adapters.is_nnx_module(result) or adapters.is_equinox_module(result)
+               or adapters.is_linen_module(result))
+    pair = not modular and isinstance(result, (tuple, list)) and len(result) == 2
+    if not pair and not modular:
         raise ValueError(
             f"{where}: {spec.function}() must return {adapters.STYLES}, got {_describe(result)}"
         )
-    apply_fn, params = result if pair else (result, None)  # a linen module alone: refused below
-    if adapters.is_nnx_module(apply_fn) or adapters.is_equinox_module(apply_fn):
-        raise ValueError(
-            f"{where}: {spec.function}() returned ({_describe(apply_fn)}, "
-            f"{_describe(params)}); return an NNX or Equinox module alone (it holds its own "
-            "arrays)"
-        )
-    if adapters.is_linen_module(apply_fn):
-        return adapters.as_apply_fn(apply_fn, params, name=spec.name, origin=origin)
-    if not callable(apply_fn):
+    model, params = result if pair else (result, None)
+    if not modular and not callable(model):
         swapped = " (the order is (apply_fn, params))" if callable(params) else ""
         raise ValueError(
             f"{where}: {spec.function}() must return (apply_fn, params) with apply_fn callable, "
-            f"got {_describe(apply_fn)} as apply_fn{swapped}"
+            f"got {_describe(model)} as apply_fn{swapped}"
         )
-    return apply_fn, params
+    return adapters.as_apply_fn(model, params, name=spec.name,
+                                origin=f"{spec.module}:{spec.function}")
 
 
 def check_model(
