@@ -1,0 +1,272 @@
+"""CROWN: backward linear bound propagation over a :class:`~jaxbundle.certify.graph.Graph`.
+
+Zhang et al. 2018, "Efficient Neural Network Robustness Certification with General Activation
+Functions"; CROWN-IBP: Zhang et al. 2020, "Towards Stable and Efficient Training of Verifiably
+Robust Neural Networks". A specification ``A`` (``[S, *shape]``: ``S`` linear functions of a
+value) is carried backwards to the input: through an affine equation by its VJP (vmapped over
+``S``; the equation at zero inputs gives the constant), through a ReLU with input bounds
+``[l, u]`` by its linear relaxation (upper: the chord ``u (v - l) / (u - l)``; lower: ``v`` if
+``u >= -l`` else 0; stable neurons exactly), through max pooling by ``max >= the element with
+the largest lower bound`` and ``max <= max of the upper bounds``. The linear function of the
+input that remains is minimised over the input set (:func:`jaxbundle.certify.sets.minimise`).
+
+Lower and upper bounds travel together as a :class:`Pair`; while no relaxation has split them
+(every hop before the first ReLU of an identity specification) they are one array, computed
+once; for an identity specification it does not depend on the example either, so vmapping over
+a group of examples computes it once per group.
+
+Cost: one backward pass per row. CROWN's intermediate bounds take one row per activation input
+element (in chunks of :data:`CHUNK_ELEMENTS`), each as wide as the whole feature maps it
+crosses: dense rows, not the convolutions' receptive fields ("patches", auto_LiRPA's
+convolution mode, would cut the first convolutions' share several times; not done).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxbundle.canonical import canonical_convolutions
+from jaxbundle.certify import graph as graphs
+from jaxbundle.certify import ibp
+from jaxbundle.certify.sets import Box, BallInBox, minimise
+
+__all__ = ["CHUNK_ELEMENTS", "Pair", "backward", "linear_bounds", "refinement"]
+
+# Rows of an identity specification propagated at once: at most this many coefficients per
+# example for the program's largest value (the memory of one coefficient array).
+CHUNK_ELEMENTS = 2**18
+
+
+class Pair(NamedTuple):
+    """Coefficients (``[S, *shape]``) or constants (``[S]``) of the lower and the upper bound;
+    ``None`` where that side is not wanted; ``upper is lower`` while the two are equal."""
+
+    lower: jax.Array | None
+    upper: jax.Array | None
+
+    @property
+    def shared(self) -> bool:
+        return self.upper is self.lower
+
+
+def _plus(a, b):
+    return b if a is None else a if b is None else a + b
+
+
+def _add(p: Pair | None, q: Pair | None) -> Pair | None:
+    if p is None or q is None:
+        return q if p is None else p
+    lower = _plus(p.lower, q.lower)
+    if p.shared and q.shared:
+        return Pair(lower, lower)
+    return Pair(lower, _plus(p.upper, q.upper))
+
+
+def _dot(coefficients, value):
+    """``[S]`` inner products of ``coefficients`` ``[S, *shape]`` with ``value`` ``[*shape]``."""
+    if coefficients is None or value is None:
+        return None
+    return jnp.tensordot(coefficients, value, axes=value.ndim)
+
+
+def backward(graph: graphs.Graph, state: ibp.Sweep, start: int, coefficients: dict, *,
+             elide: bool = False) -> tuple[dict, Pair | None]:
+    """Carries ``coefficients`` (id -> :class:`Pair` of ``[S, *shape]``) on values computed
+    before equation ``start`` back to the input.
+
+    Args:
+      graph, state: the program and its IBP sweep (fixed values, activation input bounds).
+      start: the index of the first equation not to walk (``len(graph.equations)``: all).
+      coefficients: where the linear functions start.
+      elide: stop at activation outputs instead of relaxing them (IBP with the specification
+        merged into the affine equations that follow the last activations, Gowal et al.).
+
+    Returns:
+      ``(frontier, constants)``: id -> :class:`Pair` of the coefficients on the input (and on
+      the activation outputs if ``elide``), and the :class:`Pair` of ``[S]`` constants.
+    """
+    coefficients, frontier, constants = dict(coefficients), {}, None
+    for index in range(start - 1, -1, -1):
+        equation = graph.equations[index]
+        if equation.kind == graphs.CONSTANT:
+            continue
+        pairs = [coefficients.pop(o, None) for o in equation.outputs]
+        if all(p is None for p in pairs):
+            continue
+        if equation.kind == graphs.AFFINE:
+            contributions, extra = _affine(graph, state, equation, pairs)
+        elif elide:
+            frontier[equation.outputs[0]] = pairs[0]
+            continue
+        else:
+            contributions, extra = _activation(graph, state, index, pairs[0])
+        constants = _add(constants, extra)
+        for operand, pair in contributions:
+            coefficients[operand] = _add(coefficients.get(operand), pair)
+    frontier.update(coefficients)
+    return frontier, constants
+
+
+_WEIGHTED = frozenset({"mul", "div", "dot_general", "conv_general_dilated"})
+
+
+def _affine(graph, state, equation, pairs):
+    """Contributions of an affine equation: the VJP of its x-dependent inputs (others fixed)
+    applied to every row, and the rows' inner products with the equation at zero inputs."""
+    positions = [k for k, i in enumerate(equation.inputs) if graph.dependent(i)]
+    fixed = [None if k in positions else state.value(i) for k, i in enumerate(equation.inputs)]
+
+    def linear(*dependent):
+        args = list(fixed)
+        for k, value in zip(positions, dependent):
+            args[k] = value
+        return equation.apply(*args)
+
+    zeros = [jnp.zeros(graph.shapes[equation.inputs[k]].shape, jnp.float32) for k in positions]
+    if equation.name == "conv_general_dilated":  # a transpose XLA:CPU runs fast inside loops
+        linear = canonical_convolutions(linear)
+    offsets, pullback = jax.vjp(linear, *zeros)
+    # Products by fixed weights and structural operations without fixed floats are linear: no
+    # constant (gather may fill out-of-range rows with a constant).
+    has_constant = equation.name == "gather" or equation.name not in _WEIGHTED and any(
+        jnp.issubdtype(jnp.result_type(f), jnp.floating) for f in fixed if f is not None)
+
+    def pull(side):
+        rows = next(a for a in side if a is not None).shape[0]
+        cotangents = [a if a is not None else jnp.zeros((rows, *o.shape), o.dtype)
+                      for a, o in zip(side, offsets)]
+        coefficient = jax.vmap(pullback)(cotangents)
+        constant = None
+        if has_constant:
+            constant = sum(_dot(a, o) for a, o in zip(side, offsets) if a is not None)
+        return coefficient, constant
+
+    lower_side = [None if p is None else p.lower for p in pairs]
+    upper_side = [None if p is None else p.upper for p in pairs]
+    shared = all(p is None or p.shared for p in pairs)
+    lower = pull(lower_side) if any(a is not None for a in lower_side) else None
+    upper = lower if shared else (
+        pull(upper_side) if any(a is not None for a in upper_side) else None)
+    contributions = []
+    for n, k in enumerate(positions):
+        low = None if lower is None else lower[0][n]
+        high = None if upper is None else upper[0][n]
+        contributions.append((equation.inputs[k], Pair(low, low) if shared else Pair(low, high)))
+    low_constant = None if lower is None else lower[1]
+    high_constant = None if upper is None else upper[1]
+    constant = Pair(low_constant, low_constant if shared else high_constant)
+    return contributions, constant
+
+
+def _relaxations(graph, state, index):
+    """``(below, above)``: linear functions ``(slope(A), intercept)`` of the activation's input
+    below and above its output on ``[l, u]``; ``slope`` maps row coefficients ``[S, *shape]``,
+    ``intercept`` is an array of the output's shape; either may be None (zero)."""
+    equation = graph.equations[index]
+    lower, upper = state.pre[index]
+    if equation.kind == graphs.RELU:
+        active, unstable = lower >= 0, (lower < 0) & (upper > 0)
+        chord = jnp.where(unstable, upper / jnp.where(unstable, upper - lower, 1.0),
+                          active.astype(lower.dtype))
+        intercept = jnp.where(unstable, -chord * lower, 0.0)
+        # Adaptive lower slope: 1 where the chord is steeper than 1/2 (u >= -l), else 0.
+        slope = jnp.where(unstable, (upper >= -lower).astype(lower.dtype), chord)
+        return (lambda a: a * slope[None], None), (lambda a: a * chord[None], intercept)
+    at, other = (lower, upper) if equation.kind == graphs.MAXIMUM else (upper, lower)
+    _, route_back = jax.vjp(lambda v: equation.apply(v)[0], at)  # to the argmax of `at`
+    route = (lambda a: jax.vmap(route_back)(a)[0], None)
+    constant = (None, equation.apply(other)[0])
+    return (route, constant) if equation.kind == graphs.MAXIMUM else (constant, route)
+
+
+def _activation(graph, state, index, pair):
+    equation = graph.equations[index]
+    (operand,) = [i for i in equation.inputs if graph.dependent(i)]
+    below, above = _relaxations(graph, state, index)
+
+    def side(a, positive_part, negative_part):
+        if a is None:
+            return None, None
+        positive, negative = jnp.maximum(a, 0.0), jnp.minimum(a, 0.0)
+        (slope_p, intercept_p), (slope_n, intercept_n) = positive_part, negative_part
+        coefficient = _plus(None if slope_p is None else slope_p(positive),
+                            None if slope_n is None else slope_n(negative))
+        return coefficient, _plus(_dot(positive, intercept_p), _dot(negative, intercept_n))
+
+    low, low_constant = side(pair.lower, below, above)
+    high, high_constant = side(pair.upper, above, below)
+    return [(operand, Pair(low, high))], Pair(low_constant, high_constant)
+
+
+def linear_bounds(graph: graphs.Graph, state: ibp.Sweep, start: int, target, spec: Pair,
+                  input_set: Box | BallInBox, *, rounding: float, elide: bool = False):
+    """Lower and upper bounds ``[S]`` of ``spec @ value(target)`` over the input set.
+
+    Args:
+      graph, state: the program and its sweep.
+      start: index of the first equation after ``target``'s (``len(equations)`` for outputs).
+      target: the value's id.
+      spec: :class:`Pair` of ``[S, *shape]`` rows (``None`` for an unwanted side).
+      input_set: the example's set.
+      rounding: relative widening (see :mod:`jaxbundle.certify.ibp`).
+      elide: IBP with the specification merged into the last affine equations.
+
+    Returns:
+      ``(lower, upper)``, each ``[S]`` or None.
+    """
+    frontier, constants = backward(graph, state, start, {target: spec}, elide=elide)
+    magnitude = state.interval(target).magnitude
+    lower = upper = None
+    for operand, pair in frontier.items():
+        region = input_set if operand == graph.input else Box(
+            *state.interval(operand).bounds(rounding))
+        if pair.lower is not None:
+            lower = _plus(lower, minimise(pair.lower, region))
+        if pair.upper is not None:
+            upper = _plus(upper, -minimise(-pair.upper, region))
+    constants = constants or Pair(None, None)
+
+    def finish(bound, rows, constant):
+        if rows is None:
+            return None
+        bound = _plus(_plus(bound, constant), jnp.zeros(rows.shape[:1], jnp.float32))
+        slack = jax.lax.stop_gradient(rounding * _dot(jnp.abs(rows), magnitude))
+        return bound, slack
+
+    low, high = finish(lower, spec.lower, constants.lower), finish(upper, spec.upper,
+                                                                   constants.upper)
+    return (None if low is None else low[0] - low[1],
+            None if high is None else high[0] + high[1])
+
+
+def refinement(graph: graphs.Graph, input_set: Box | BallInBox, *,
+               rounding: float) -> ibp.Refine:
+    """CROWN bounds on an activation's input (for :func:`jaxbundle.certify.ibp.sweep`): an
+    identity specification of its elements, in chunks of rows (:data:`CHUNK_ELEMENTS`)."""
+    largest = max(int(np.prod(s.shape)) for i, s in graph.shapes.items() if i in graph.depends)
+
+    def refine(index, state):
+        equation = graph.equations[index]
+        (operand,) = [i for i in equation.inputs if graph.dependent(i)]
+        shape = graph.shapes[operand].shape
+        size = int(np.prod(shape))
+        rows = max(1, min(size, CHUNK_ELEMENTS // largest))
+        blocks = -(-size // rows)
+
+        def block(first):
+            spec = (first + jnp.arange(rows)[:, None] == jnp.arange(size)[None, :])
+            spec = spec.astype(jnp.float32).reshape(rows, *shape)
+            return linear_bounds(graph, state, index, operand, Pair(spec, spec), input_set,
+                                 rounding=rounding)
+
+        if blocks == 1:
+            lower, upper = block(0)
+        else:
+            lower, upper = jax.lax.map(block, jnp.arange(blocks) * rows)
+        return (lower.reshape(-1)[:size].reshape(shape), upper.reshape(-1)[:size].reshape(shape))
+
+    return refine

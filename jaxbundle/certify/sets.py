@@ -1,0 +1,119 @@
+"""Input sets of one example and the minimum of a linear function over them.
+
+A set is the ``linf`` or ``l2`` ball of radius ``eps`` around the example intersected with the
+data's box ``[lower, upper]``: a :class:`Box` (per-pixel interval) for ``linf``, a
+:class:`BallInBox` for ``l2``. :func:`minimise` is what turns CROWN's linear bounds into
+numbers ("concretisation"); every value it returns is a lower bound of the true minimum.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["NORMS", "BallInBox", "Box", "hull", "input_set", "minimise"]
+
+NORMS = ("linf", "l2")
+_DUAL_STEPS = 16  # bisection steps on log(lambda) in the L2-in-box dual
+
+
+class Box(NamedTuple):
+    """The per-pixel interval ``lower <= x <= upper`` (arrays of the example's shape)."""
+
+    lower: jax.Array
+    upper: jax.Array
+
+
+class BallInBox(NamedTuple):
+    """``{x : |x - center|_2 <= radius, lower <= x <= upper}``.
+
+    Attributes:
+      center: the example, e.g. ``[1, H, W, C]``.
+      radius: scalar L2 radius.
+      lower, upper: the box, already intersected with the ball's Linf hull
+        (``max(center - radius, data lower)``, ``min(center + radius, data upper)``).
+    """
+
+    center: jax.Array
+    radius: jax.Array
+    lower: jax.Array
+    upper: jax.Array
+
+
+def input_set(x: jax.Array, eps: jax.Array, norm: str, lower, upper) -> Box | BallInBox:
+    """The ``norm`` ball of radius ``eps`` (scalar) around ``x`` intersected with
+    ``[lower, upper]`` (scalars or arrays broadcastable to ``x``)."""
+    low = jnp.maximum(x - eps, lower).astype(x.dtype)
+    high = jnp.minimum(x + eps, upper).astype(x.dtype)
+    if norm == "linf":
+        return Box(low, high)
+    if norm == "l2":
+        return BallInBox(x, jnp.asarray(eps, x.dtype), low, high)
+    raise ValueError(f"norm must be one of {NORMS}; got {norm!r}")
+
+
+def hull(input_set: Box | BallInBox) -> Box:
+    """The smallest per-pixel interval containing the set (what IBP starts from)."""
+    return Box(input_set.lower, input_set.upper)
+
+
+def minimise(coefficients: jax.Array, input_set: Box | BallInBox) -> jax.Array:
+    """Lower bounds ``[S]`` on ``min_x <A_s, x>`` over the set, ``A`` of shape ``[S, *shape]``.
+
+    Box: exact, ``sum(min(A * lower, A * upper))``. L2 ball in a box: the largest of three
+    lower bounds: the box's, the ball's alone (``<A, center> - radius |A|_2``) and Lagrangian
+    dual values ``g(lambda) = min_{box} <A, x> + lambda/2 (|x - center|^2 - radius^2)`` (any
+    ``lambda >= 0`` gives a lower bound by weak duality; the box minimiser is a clipped step, so
+    ``g`` is cheap) at the points a bisection on ``g'`` visits. The problem is convex with a
+    strictly feasible point, so the dual's maximum is the exact minimum.
+    """
+    # A.c - |A|.r, not sum(min(A * lower, A * upper)): two contractions, which become matrix
+    # products when A is the same for a batch of examples (specifications before any ReLU).
+    center = 0.5 * (input_set.lower + input_set.upper)
+    radius = 0.5 * (input_set.upper - input_set.lower)
+    box = _contract(coefficients, center) - _contract(jnp.abs(coefficients), radius)
+    if isinstance(input_set, Box):
+        return box
+    axes = tuple(range(1, coefficients.ndim))
+    input_set = jax.tree.map(lambda a: a[None] if jnp.ndim(a) else a, input_set)  # the S axis
+    length = jnp.sqrt(jnp.sum(jnp.square(coefficients), axis=axes))
+    ball = jnp.sum(coefficients * input_set.center, axis=axes) - input_set.radius * length
+    dual = _dual(coefficients, input_set, axes)
+    return jnp.maximum(jnp.maximum(box, ball), jnp.where(jnp.isfinite(dual), dual, -jnp.inf))
+
+
+def _contract(coefficients: jax.Array, value: jax.Array) -> jax.Array:
+    """``[S]`` inner products of ``coefficients`` ``[S, *shape]`` with ``value`` ``[*shape]``."""
+    return jnp.tensordot(coefficients, value, axes=value.ndim)
+
+
+def _dual(coefficients, input_set: BallInBox, axes) -> jax.Array:
+    """The best dual value over a bisection of ``lambda`` in ``[top / 2**20, top]`` with
+    ``top = |A|_2 / radius`` (the optimum is below it: there the unclipped step already ends on
+    the sphere)."""
+    radius = jnp.maximum(input_set.radius, jnp.finfo(coefficients.dtype).tiny)
+    top = jnp.sqrt(jnp.sum(jnp.square(coefficients), axis=axes)) / radius
+    shape = (-1,) + (1,) * (coefficients.ndim - 1)
+
+    def value(log_lambda):
+        multiplier = jnp.exp2(log_lambda).reshape(shape)
+        point = jnp.clip(input_set.center - coefficients / multiplier,
+                         input_set.lower, input_set.upper)
+        distance = jnp.sum(jnp.square(point - input_set.center), axis=axes)
+        objective = jnp.sum(coefficients * point, axis=axes)
+        dual = objective + 0.5 * multiplier.reshape(-1) * (distance - radius**2)
+        return dual, distance > radius**2  # outside the ball: lambda must grow
+
+    def step(_, state):
+        low, high, best = state
+        middle = 0.5 * (low + high)
+        dual, grow = value(middle)
+        best = jnp.maximum(best, jnp.where(jnp.isfinite(dual), dual, -jnp.inf))
+        return jnp.where(grow, middle, low), jnp.where(grow, high, middle), best
+
+    high = jnp.log2(jnp.maximum(top, jnp.finfo(coefficients.dtype).tiny))
+    start = value(high)[0]
+    start = jnp.where(jnp.isfinite(start), start, -jnp.inf)
+    return jax.lax.fori_loop(0, _DUAL_STEPS, step, (high - 20.0, high, start))[2]
