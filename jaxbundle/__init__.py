@@ -7,7 +7,7 @@ is the per-batch core. Importing the package loads neither the demo models and t
 nor any dataset reader: they load when used (``jaxbundle.models``, ``jaxbundle.data.tfds``).
 """
 
-from jaxbundle import attacks, bundles, goals, losses, norms
+from jaxbundle import attacks, bundles, certify, goals, losses, norms
 from jaxbundle.bundler import BestState, BundleResult, bundle
 from jaxbundle.defences import Defended, bpda, defended, with_bpda
 from jaxbundle.evaluation import Evaluation, evaluate
@@ -15,6 +15,6 @@ from jaxbundle.plan import AttackSpec, Plan
 from jaxbundle.sampling import Stochastic, stochastic, with_eot
 
 __all__ = ["AttackSpec", "BestState", "BundleResult", "Defended", "Evaluation", "Plan",
-           "Stochastic", "attacks", "bpda", "bundle", "bundles", "defended", "evaluate", "goals",
-           "losses", "norms", "stochastic", "with_bpda", "with_eot"]
+           "Stochastic", "attacks", "bpda", "bundle", "bundles", "certify", "defended",
+           "evaluate", "goals", "losses", "norms", "stochastic", "with_bpda", "with_eot"]
 __version__ = "0.1.0"

@@ -45,6 +45,15 @@ best candidate (``per_example["attack_step"]``) on the examples it did not fool:
     still rising: its last 10 % of steps brought more than 5 % of its whole rise from the clean
     image (``per_example["attack_improving"]``, :func:`jaxbundle.bundler.still_improving`).
 
+With ``certify`` (:mod:`jaxbundle.certify`, :func:`add_certified`):
+
+``certified_and_fooled``
+    An example certified robust was also fooled by an attack. A sound bound and a sound judge
+    never allow it: it is a bug, and the check must always pass.
+``missed_by_attacks`` (the complete mode)
+    The exact MIP found an adversarial example where no attack did: the bundled figure is
+    higher than the truth by at least these examples.
+
 Two more, where the job computes what they need (:func:`add`):
 
 ``transfer_beats_white_box`` (with ``--surrogate``)
@@ -70,7 +79,7 @@ from jaxbundle.bundler import window_start
 
 __all__ = [
     "Check", "FLAG_NAMES", "model_checks", "zero_gradients", "example_flags", "summarise", "add",
-    "white_box_success", "non_monotone", "transfer_beats_white_box",
+    "white_box_success", "non_monotone", "transfer_beats_white_box", "add_certified",
 ]
 
 # Per-example flags, in the order of per_example["check_flags"]'s columns.
@@ -134,6 +143,16 @@ _TEXT = {
         "another model's gradients fool it where its own do not (gradient masking)",
         "trust the transfer or bundled figure; try --bpda (jaxbundle.with_bpda), --eot, other "
         "losses",
+    ),
+    "certified_and_fooled": (
+        "an example certified robust was fooled: a bound or a judgement is wrong (a bug, "
+        "never the model)",
+        "report it with the model and the example; trust neither figure until it is found",
+    ),
+    "missed_by_attacks": (
+        "the complete mode proved an adversarial example exists that no attack found: the "
+        "bundled figure is too high",
+        "more restarts or steps, other attacks (the example ids are in exact_status)",
     ),
     "non_monotone": (
         "success fell as eps grew: the attacks at eps were stopped by the optimisation, not "
@@ -323,3 +342,20 @@ def add(metrics: dict, per_example: dict[str, np.ndarray], name: str, flags: np.
     metrics["check_flag_names"].append(name)
     per_example["check_flags"] = np.concatenate(
         [per_example["check_flags"], np.asarray(flags, bool)[:, None]], axis=1)
+
+
+def add_certified(metrics: dict, per_example: dict[str, np.ndarray]) -> None:
+    """Adds the checks of a certified run (:mod:`jaxbundle.certify`): ``certified_and_fooled``
+    (must never fire) and, with the complete mode, ``missed_by_attacks``."""
+    certified = per_example["certified"].astype(bool)
+    add(metrics, per_example, "certified_and_fooled",
+        certified & per_example["success"].astype(bool),
+        "{count} examples were both certified robust and fooled by an attack")
+    if "exact_status" in per_example:
+        from jaxbundle.certify.run import EXACT
+
+        missed = ((per_example["exact_status"] == EXACT["attacked"]) & _correct(per_example)
+                  & ~per_example["success"].astype(bool))
+        add(metrics, per_example, "missed_by_attacks", missed,
+            "the complete mode found an adversarial example for {count} examples that no "
+            "attack fooled")

@@ -23,11 +23,16 @@ from rich.table import Table
 
 from jaxbundle import bundles
 from jaxbundle.bundles import BUNDLES, bundle_attacks
-from jaxbundle.plan import MODES, Plan
+from jaxbundle.plan import CERTIFY_METHODS, MODES, Plan
 from jaxbundle.presets import PRESETS
 from jaxbundle.suites import ATTACKS
 
 __all__ = ["build_plan", "main"]
+
+# The demo job's certified lower bound (docs/certify.md): tight on the certified demo model,
+# a few forward passes per bound.
+DEMO_CERTIFY = "crown-ibp"
+DEMO_MODELS = ["standard", "adversarial", "certified"]
 
 
 def build_plan(args: argparse.Namespace, norm: str, eps: float) -> Plan:
@@ -42,7 +47,8 @@ def build_plan(args: argparse.Namespace, norm: str, eps: float) -> Plan:
         ("batch_size", None if args.batch_size == "auto" else args.batch_size),
         ("seed", args.seed),
         ("judging", args.judging), ("eot", args.eot), ("judge_calls", args.judge_calls),
-        ("success_threshold", args.success_threshold)) if v is not None}
+        ("success_threshold", args.success_threshold), ("certify", _certify_method(args)),
+        ("certify_time_limit", args.certify_time_limit)) if v is not None}
     mode = {} if args.schedule is None else {"mode": args.schedule}
     base = (Plan(eps=eps, norm=norm, attacks=tuple(args.attacks), **mode) if args.attacks
             else bundles.plan(args.bundle, norm, eps, **mode))
@@ -55,6 +61,16 @@ def build_plan(args: argparse.Namespace, norm: str, eps: float) -> Plan:
     if args.escalate:
         fields["escalate"] = tuple({**base.escalate_map, **dict(args.escalate)}.items())
     return base.replace(**fields).check()
+
+
+def _certify_method(args: argparse.Namespace) -> str | None:
+    """``--certify``'s method: ``none`` turns it off; without the flag the demo job (no
+    ``--model``, no ``--models``) certifies with :data:`DEMO_CERTIFY`, other runs do not."""
+    if args.certify == "none":
+        return None
+    if args.certify is None and args.models is None and not args.model:
+        return DEMO_CERTIFY
+    return args.certify
 
 
 def _positive_int(text: str) -> int:
@@ -286,6 +302,24 @@ def _stochastic_flags(ev: argparse.ArgumentParser, threat: argparse._ArgumentGro
     )
 
 
+def _certify_flags(ev: argparse.ArgumentParser) -> None:
+    certify = ev.add_argument_group(
+        "certified lower bound (jaxbundle.certify): robust accuracy in [certified, bundled]")
+    certify.add_argument(
+        "--certify", choices=(*CERTIFY_METHODS, "none"), default=None,
+        help="certify every example beside the attacks (default: crown-ibp for the demo "
+        "models when neither --model nor --models is given, else none): ibp, crown-ibp, crown "
+        "(bound "
+        "propagation through the model's jaxpr), complete (exact MIP on what crown leaves "
+        "open; linf, ReLU networks), smoothing (Cohen et al.'s CERTIFY; a model declared with "
+        "jaxbundle.certify.gaussian)",
+    )
+    certify.add_argument(
+        "--certify-time-limit", type=_positive_float, default=None, metavar="SECONDS",
+        help="the complete mode's time limit per example (default 10); over it: unknown",
+    )
+
+
 def _run_flags(ev: argparse.ArgumentParser) -> None:
     run = ev.add_argument_group("running")
     run.add_argument("--seed", type=int, default=None, help="example i draws from "
@@ -346,6 +380,7 @@ def _parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("evaluate", help="evaluate models on a dataset and write a report")
     _data_flags(ev)
     _stochastic_flags(ev, _threat_flags(ev))
+    _certify_flags(ev)
     _run_flags(ev)
     cmp = sub.add_parser("compare", help="compare models of one or more reports side by side")
     cmp.add_argument("reports", nargs="+", help="report directories or report.json files")
@@ -397,7 +432,7 @@ def _evaluate(args: argparse.Namespace, console: Console) -> None:
     demo = dict(cache_dir=args.cache_dir, train_examples=args.train_examples,
                 train_epochs=args.train_epochs)
     demo_names = args.models if args.models is not None else ([] if args.model else
-                                                               ["standard", "adversarial"])
+                                                               DEMO_MODELS)
     refs = [job.demo_model(m, **demo) for m in demo_names] + [job.user_model(s) for s in args.model]
     surrogates = [
         job.demo_model(s, **demo) if s in models.MODELS or s in models.DEFENCES

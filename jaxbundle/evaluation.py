@@ -237,21 +237,21 @@ def evaluate(
     """
     apply_fn, params, source = _model_and_data(model, params, data, plan)
     run = _start(apply_fn, params, source, plan, mesh)
-    if keep_images is None:
-        keep_images = bool(getattr(source, "in_memory", False))
+    keep_images = bool(getattr(source, "in_memory", False)) if keep_images is None else keep_images
     uint8_images = _stored_on_grid(source, plan.judging)
     if images_dir is not None:
         os.makedirs(images_dir, exist_ok=True)
     state, ckpt = _resume(run, apply_fn, params, keep_images, uint8_images, checkpoint_dir)
     lead = jax.process_index() == 0
     total = data_lib.num_batches(run.n, run.plan.batch_size)
-    model_checks = None  # they run on this process's rows of the first batch, unsharded params
+    model_checks, certify_seconds = None, 0.0  # this process's first rows; its own seconds
     for index in range(state.batches_done, total):
         bx, batch = _read_batch(run, index, check_classes=index == state.batches_done)
         if index == 0:
             model_checks = checks_lib.model_checks(run.model.apply_fn, params, bx[:CHECKED],
                                                    run.model.attacks)
-        counts, outputs, stage_counts = _attack_batch(run, index, bx, batch)
+        counts, outputs, stage_counts, arrays = _attack_batch(run, index, bx, batch)
+        certify_seconds += _certify_batch(run, arrays, outputs)
         x_adv = outputs.pop("x_adv")
         if uint8_images:
             x_adv = np.round(x_adv * norms.PIXEL_LEVELS).astype(np.uint8)
@@ -269,7 +269,7 @@ def evaluate(
         model_checks = checks_lib.model_checks(run.model.apply_fn, params,
                                                data_lib.to_unit_float(first.x)[:CHECKED],
                                                run.model.attacks)
-    metrics, per_example = _results(run, state, model_checks)
+    metrics, per_example = _results(run, state, model_checks, certify_seconds)
     return Evaluation(metrics=metrics, per_example=per_example,
                       attack_names=tuple(a.name for a in run.model.attacks),
                       gallery=_gallery(source, state))
@@ -357,7 +357,8 @@ def _read_batch(run: _Run, index: int, check_classes: bool) -> tuple[np.ndarray,
 
 def _attack_batch(run: _Run, index: int, bx: np.ndarray, batch: data_lib.Batch):
     """Batch ``index`` attacked by the plan's runner: its counts (numpy), its per-example
-    outputs on the real rows (numpy) and each stage's spending ``[A, 4]``."""
+    outputs on the real rows (numpy), each stage's spending ``[A, 4]`` and the batch as run
+    ``(x, y, example_id, mask, real)`` (global arrays under a mesh; ``real`` on the host)."""
     size = run.plan.batch_size
     arrays = (bx, batch.y.astype(np.int32), batch.example_id, batch.mask)
     if run.sharding is not None:
@@ -370,7 +371,20 @@ def _attack_batch(run: _Run, index: int, bx: np.ndarray, batch: data_lib.Batch):
         run.plan, run.model, runners.Batch(*arrays, real))
     # Every output is replicated: each process reads its own full copy.
     outputs = {k: np.asarray(v)[real] for k, v in outputs.items()}
-    return jax.tree.map(np.asarray, counts), outputs, stage_counts
+    return jax.tree.map(np.asarray, counts), outputs, stage_counts, (*arrays, real)
+
+
+def _certify_batch(run: _Run, arrays: tuple, outputs: dict[str, np.ndarray]) -> float:
+    """With ``plan.certify``: adds the batch's certification to ``outputs``
+    (:func:`jaxbundle.certify.run.batch`) and returns the seconds it took; else 0."""
+    if run.plan.certify is None:
+        return 0.0
+    from jaxbundle.certify import run as certify_run  # loaded when a plan certifies
+
+    certified, seconds = certify_run.timed(certify_run.batch, run.plan, run.model, *arrays[:3],
+                                           outputs, arrays[4])
+    outputs.update(certified)
+    return seconds
 
 
 def _fooled(outputs: dict[str, np.ndarray]) -> np.ndarray:
@@ -394,7 +408,8 @@ def _add_batch(state: checkpoint.State, counts: Counts, outputs: dict[str, np.nd
     )
 
 
-def _results(run: _Run, state: checkpoint.State, model_checks: Any) -> tuple[dict, dict]:
+def _results(run: _Run, state: checkpoint.State, model_checks: Any,
+             certify_seconds: float = 0.0) -> tuple[dict, dict]:
     """The model record (:func:`jaxbundle.schema.model_record`) and the per-example arrays of a
     finished evaluation."""
     plan, attacks, n = run.plan, run.model.attacks, run.n
@@ -422,4 +437,13 @@ def _results(run: _Run, state: checkpoint.State, model_checks: Any) -> tuple[dic
     figures.update(curve_metrics(per_example, attacks, plan.norm))
     figures.update(runners.runner(plan).figures(plan, figures, per_example, attacks,
                                                 state.stages))
+    if plan.certify is not None:
+        from jaxbundle.certify import run as certify_run
+
+        figures["certified"] = certify_run.figures(plan, per_example, figures["robust_accuracy"],
+                                                   certify_seconds)
+        if "certified_radius" in per_example:
+            (figures["operating_characteristic"]["certified"],
+             figures["half_distortion"]["certified"]) = certify_run.curve(per_example, plan.norm)
+        checks_lib.add_certified(figures, per_example)
     return schema.model_record(plan, figures), per_example

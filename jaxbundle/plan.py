@@ -16,7 +16,10 @@ A :class:`Plan` is frozen and hashable. It holds
   ``"map"``: one restart at a time, less memory; ``"cascade"``, in a cascade only: one restart
   at a time, each on the examples the ones before left, as AutoAttack runs APGD-T's and
   FAB-T's targets), and for stochastic models ``eot``, ``judge_calls`` and
-  ``success_threshold``.
+  ``success_threshold``;
+* the lower bound beside the attacks (optional): ``certify``, a method of
+  :data:`CERTIFY_METHODS` (:mod:`jaxbundle.certify`), and ``certify_time_limit``, the complete
+  mode's seconds per example.
 
 Named bundles are plans (:mod:`jaxbundle.bundles`); a field is changed with
 :meth:`Plan.replace`. :meth:`Plan.check` holds every rule once (the CLI, :func:`jaxbundle.evaluate`
@@ -46,6 +49,9 @@ __all__ = ["AttackSpec", "DEFAULT_GOALS", "MODES", "Plan"]
 DEFAULT_GOALS = ("misclassify", "max_confidence", "min_norm")
 MODES = ("full", "cascade")
 RESTART_MODES = ("vmap", "map", "cascade")
+# Certified lower bounds (jaxbundle.certify): bound propagation, the exact MIP, smoothing.
+CERTIFY_METHODS = ("ibp", "crown-ibp", "crown", "complete", "smoothing")
+CERTIFY_TIME_LIMIT = 10.0  # the complete mode's default seconds per example
 MAX_BUCKETS = 64  # bucket sizes per halving of the batch, at most
 
 
@@ -99,12 +105,15 @@ class Plan:
     eot: int = 1
     judge_calls: int | None = None
     success_threshold: float | None = None
+    certify: str | None = None
+    certify_time_limit: float | None = None
 
     def __post_init__(self):
         # Containers into tuples (hashable): names into specs, a focus dict into pairs.
         attacks = (self.attacks,) if isinstance(self.attacks, (str, Attack)) else self.attacks
         set_ = functools.partial(object.__setattr__, self)
-        for field in ("eps", "step_size", "threshold", "budget", "success_threshold"):
+        for field in ("eps", "step_size", "threshold", "budget", "success_threshold",
+                      "certify_time_limit"):
             if _is_number(getattr(self, field)):  # numpy and JAX scalars: plain, hashable
                 set_(field, float(getattr(self, field)))
         for field in ("steps", "restarts", "queries", "segments", "buckets", "batch_size", "seed",
@@ -153,6 +162,7 @@ class Plan:
         attacks = _check_attacks(self)
         _check_schedule(self, attacks)
         _check_run(self)
+        _check_certify(self)
         if apply_fn is not None:
             from jaxbundle import sampling
 
@@ -166,6 +176,7 @@ class Plan:
                         raise ValueError(f"{field} is for stochastic models; the model is "
                                          "deterministic")
             validation.check_eot(attacks, apply_fn)
+            _check_certify_model(self, apply_fn)
         return self
 
     @property
@@ -195,6 +206,7 @@ class Plan:
                     "restart_mode": self.restart_mode},
             "stochastic": {"eot": self.eot, "judge_calls": self.judge_calls,
                            "success_threshold": self.success_threshold},
+            "certify": {"method": self.certify, "time_limit": self.certify_time_limit},
         }
 
 
@@ -355,3 +367,37 @@ def _check_run(plan: Plan) -> None:
     t = plan.success_threshold
     if t is not None and (not _is_number(t) or not 0 <= t < 1):
         raise ValueError(f"success_threshold must be a success rate in [0, 1), got {t!r}")
+
+
+def _check_certify(plan: Plan) -> None:
+    if plan.certify is not None and plan.certify not in CERTIFY_METHODS:
+        raise ValueError(f"certify must be one of {', '.join(CERTIFY_METHODS)}, got "
+                         f"{plan.certify!r}")
+    if plan.certify == "complete" and plan.norm != "linf":
+        raise ValueError("certify='complete' (an exact MIP) supports the linf norm only; for l2 "
+                         "use 'crown' or 'crown-ibp'")
+    limit = plan.certify_time_limit
+    if limit is not None:
+        if plan.certify != "complete":
+            raise ValueError("certify_time_limit is the complete mode's seconds per example: it "
+                             "needs certify='complete'")
+        if not _is_number(limit) or limit <= 0:
+            raise ValueError(f"certify_time_limit must be seconds > 0, got {limit!r}")
+
+
+def _check_certify_model(plan: Plan, apply_fn: Callable) -> None:
+    """Smoothing certifies a model declared with :func:`jaxbundle.certify.gaussian`; bound
+    propagation a deterministic one."""
+    if plan.certify is None:
+        return
+    from jaxbundle import sampling
+    from jaxbundle.certify import smoothing
+
+    if plan.certify == "smoothing":
+        if smoothing.smoothing_sigma(apply_fn) is None:
+            raise ValueError("certify='smoothing' needs a model under Gaussian noise declared "
+                             "with jaxbundle.certify.gaussian(apply_fn, sigma)")
+    elif sampling.is_stochastic(apply_fn):
+        raise ValueError(f"certify={plan.certify!r} bounds a deterministic model; a stochastic "
+                         "one is certified by randomised smoothing (certify='smoothing' with "
+                         "jaxbundle.certify.gaussian)")

@@ -46,6 +46,7 @@ _KINDS = (  # (key, legend label, colour)
     ("white_box", "white-box", "tab:blue"),
     ("black_box", "black-box", "tab:orange"),
     ("bundled", "bundled", "tab:red"),
+    ("certified", "certified (upper bound on P)", "tab:green"),
 )
 _DPI = 100
 

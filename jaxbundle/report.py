@@ -65,7 +65,25 @@ def table(model_name: str, metrics: dict) -> Table:
         f"[bold]{number(metrics['robust_accuracy'])}[/bold]",
         f"[bold]{number(metrics['relative_robustness'])}[/bold]",
     )
+    for label, value, ratio in certified_rows(metrics):
+        t.add_row(label, value, ratio)
     return t
+
+
+def certified_rows(metrics: dict) -> list[tuple[str, str, str]]:
+    """With ``--certify``: the certified robust accuracy and the interval robust accuracy lies
+    in, ``[certified, bundled]``, with the examples neither side decides."""
+    c = metrics.get("certified")
+    if not c:
+        return []
+    clean = metrics["clean_accuracy"]
+    low, high = c["interval"]
+    return [
+        (f"certified ({c['method']})", number(low),
+         number(None if not clean else 100.0 * low / clean)),
+        ("robust accuracy in", f"[{number(low)}, {number(high)}]",
+         f"{c['undecided']} undecided"),
+    ]
 
 
 def write_report(
@@ -169,8 +187,10 @@ def markdown(report: dict) -> str:
         lines += [
             f"| **bundled robust** | **{number(m['robust_accuracy'])}** | "
             f"**{number(m['relative_robustness'])}** |",
+            *[f"| {label} | {value} | {ratio} |" for label, value, ratio in certified_rows(m)],
             "",
             f"Judged: {m['judging']['statement']}.",
+            *(["", f"Certified: {m['certified']['statement']}."] if m.get("certified") else []),
             "",
             *([f"Precision: {m['model_dtype']['statement']}.", ""] if m.get("model_dtype") else []),
             *([f"{m['stochastic']['statement']}; {_rates(m['stochastic'])}.", ""]
@@ -227,6 +247,9 @@ def print_tables(console: Console, results: dict[str, tuple[Evaluation, float]])
         m = evaluation.metrics
         console.print(table(name, m))
         console.print(f"  judged: {m['judging']['statement']}", highlight=False, soft_wrap=True)
+        if m.get("certified"):
+            console.print(f"  [bold]certified:[/bold] {m['certified']['statement']}",
+                          highlight=False, soft_wrap=True)
         if m.get("model_dtype"):
             console.print(f"  precision: {m['model_dtype']['statement']}", highlight=False,
                           soft_wrap=True)

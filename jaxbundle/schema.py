@@ -81,9 +81,10 @@ MODEL_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("checks", "{check: {passed, saw, means, advice, examples}} (jaxbundle.checks)", ""),
     ("check_flag_names", "the columns of the per-example check_flags", ""),
     ("operating_characteristic", "{grid: [D], white_box | black_box | bundled: [P(D)]} "
-     "(a cascade keeps bundled only)", ""),
-    ("half_distortion", "{white_box | black_box | bundled: {d_half, fooled_fraction, "
-     "n_correct}} (RoBIC's D1/2)", ""),
+     "(a cascade keeps bundled only; with --certify, certified: the fraction not certified "
+     "at D, an upper bound on P(D))", ""),
+    ("half_distortion", "{white_box | black_box | bundled | certified: {d_half, "
+     "fooled_fraction, n_correct}} (RoBIC's D1/2; certified: a lower bound)", ""),
     ("attack_contribution", "{attack: {won, only_this}}", ""),
     ("gradients_per_example", "gradient evaluations per example (a cascade: the mean spent)",
      ""),
@@ -96,6 +97,11 @@ MODEL_FIELDS: tuple[tuple[str, str, str], ...] = (
      "mean_selection_success_rate, mean_clean_success_rate, heldout_calls_per_example, "
      "robust_accuracy_at_threshold}",
      "a deterministic model"),
+    ("certified", "{method, radius: {grid, float}, certified_robust_accuracy, interval: "
+     "[certified, bundled] robust accuracy, undecided (robust under attack, not certified), "
+     "certified_and_fooled (always 0), exact: {certified, attacked, unknown, "
+     "missed_by_attacks} (complete mode), seconds, statement}: the certified lower bound "
+     "(jaxbundle.certify)", "without --certify"),
     ("model", "where the model came from (demo:NAME or MODULE:FUNCTION)", "the API"),
     ("shifts", "{clean_accuracy, shift: {severity: {accuracy, relative_robustness}}}",
      "--no-shifts, or the API"),
@@ -147,6 +153,17 @@ PER_EXAMPLE: tuple[tuple[str, str], ...] = (
     ("selection_success_rate", "stochastic models: the same on the calls that chose the winner "
      "(biased upward by the choice; kept to show by how much)"),
     ("clean_success_rate", "stochastic models: success_rate for the clean image"),
+    ("certified", "with --certify: bool, certified robust at the radius the judge accepts"),
+    ("bound_margin", "with --certify (a bound method): a lower bound on the smallest "
+     "wrong-class margin z_y - z_j over the input set; > 0: certified"),
+    ("certified_radius", "with --certify and the min_norm goal: a radius the example is "
+     "certified at (bisection; 0: none), the certified side of P(D); smoothing: the L2 radius "
+     "(Linf: divided by sqrt(d))"),
+    ("exact_status", "with --certify complete: 1 certified, -1 attacked (an adversarial "
+     "example exists: an attack's or the MIP's), 0 unknown (time limit)"),
+    ("smoothed_prediction", "with --certify smoothing: the smoothed classifier's class; -1: "
+     "abstain"),
+    ("smoothed_radius", "with --certify smoothing: the certified L2 radius (0: abstain)"),
     ("best_effort_distortion", "with --best-effort: the bisected distortion"),
     ("transfer_success", "with --surrogate: fooled by the voted transfer"),
     ("attack_names", "the file only: the attacks, in order"),

@@ -122,7 +122,7 @@ def test_evaluate_end_to_end(tmp_path, capsys):
     default = ["fgsm", "pgd-ce", "pgd-margin", "fmn", "square", "rays"]
     assert [a["name"] for a in plan["attacks"]] == default and plan["bundle"] == "broad"
     assert plan["schedule"]["mode"] == "full" and plan["overrides"]["queries"] == 200
-    assert set(report["models"]) == {"standard", "adversarial"}
+    assert set(report["models"]) == {"standard", "adversarial", "certified"}
     for name, m in report["models"].items():
         for key in ("clean_accuracy", "robust_accuracy", "relative_robustness", "mat", "wat",
                     "n_examples", "eps", "norm", "plan"):
@@ -132,6 +132,8 @@ def test_evaluate_end_to_end(tmp_path, capsys):
         assert m["judging"]["mode"] == "auto" and m["judging"]["grid_examples"] == 24
         assert m["judging"]["statement"].startswith(judged)
         assert set(m["mat"]) == set(default)
+        low, high = m["certified"]["interval"]  # the demo job certifies: [certified, bundled]
+        assert high == m["robust_accuracy"] >= low
         assert m["robust_accuracy"] <= min(m["white_box_robust_accuracy"],
                                            m["black_box_robust_accuracy"])
         for kind in ("white_box", "black_box", "bundled"):

@@ -13,6 +13,7 @@ import jax
 import numpy as np
 import pytest
 
+from jaxbundle import cli
 from jaxbundle.cli import _parser, main
 from docs_pages import (COMMANDS, DEFAULT_FOCUS, DOCS, README, ROOT, Command, _write_my_model,
                         _write_test_npz)
@@ -133,7 +134,7 @@ def _check_dry_run(argv: list[str], out: dict, joined: list[dict]) -> None:
     if args.data.startswith("mnist-sample"):  # 2,000 test images; the first 1000 by default
         assert out["data"]["n"] == (1000 if args.n is None else args.n)
     demo = args.models if args.models is not None else ([] if args.model else
-                                                         ["standard", "adversarial"])
+                                                         cli.DEMO_MODELS)
     assert out["models"] == demo + args.model
     assert joined == []  # a dry run checks a multi-process command without joining
 

@@ -343,6 +343,28 @@ def check_bpda(ns, printed, cwd):
     assert jaxbundle.sampling.is_stochastic(noisy) and ns["plan"].eot == 8
 
 
+@check("docs/certify.md", "jaxbundle.certify.margin_bounds(apply_fn")
+def check_certify(ns, printed, cwd):
+    """The bounds hold at random points of every certified example's ball (the model's margin
+    stays positive there), the evaluation's interval is [certified, bundled] and nothing is both
+    certified and fooled."""
+    apply_fn, params, x, y = ns["apply_fn"], ns["params"], ns["x"], ns["y"]
+    lower = np.asarray(ns["lower"])
+    certified = lower.min(axis=1) > 0
+    assert printed[0] == f"(64, 4) {int(certified.sum())}" and 0 < certified.sum() < 64
+    noise = jax.random.uniform(jax.random.key(1), (32, *x.shape), minval=-0.02, maxval=0.02)
+    z = jax.vmap(lambda d: apply_fn(params, jnp.clip(x + d, 0, 1)))(noise)  # [32, B, K]
+    true = jnp.take_along_axis(z, jnp.asarray(y)[None, :, None], axis=2)[..., 0]
+    other = jnp.max(jnp.where(jax.nn.one_hot(y, 4, dtype=bool)[None], -jnp.inf, z), axis=2)
+    margins = np.asarray(true - other)
+    assert np.all(margins[:, certified] >= lower.min(axis=1)[certified] - 1e-5)
+    ev = ns["ev"]
+    record, pe = ev.metrics["certified"], ev.per_example
+    assert printed[1] == f"{record['interval']} {record['undecided']}"
+    assert record["interval"] == [100 * pe["certified"].mean(), ev.metrics["robust_accuracy"]]
+    assert not np.any(pe["certified"] & pe["success"])
+
+
 def _copy_tiny_report(cwd: pathlib.Path, tiny: pathlib.Path) -> None:
     shutil.copytree(tiny, cwd / "jaxbundle-report")
 

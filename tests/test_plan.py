@@ -18,7 +18,7 @@ import pytest
 import jaxbundle
 from jaxbundle import attacks as attacks_lib
 from jaxbundle import bundles, suites
-from jaxbundle.cli import main
+from jaxbundle.cli import DEMO_CERTIFY, main
 from jaxbundle.plan import AttackSpec, Plan
 from toys import images, linear_apply, linear_problem, min_distance
 
@@ -247,7 +247,7 @@ def test_dry_run_prints_the_plan_it_would_run(capsys, tmp_path):
             "--segments", "3", "--queries", "500", "--out", str(tmp_path)]
     assert main(argv) == 0
     printed = json.loads(capsys.readouterr().out)
-    expected = bundles.default("linf", 0.3, queries=500, segments=3,
+    expected = bundles.default("linf", 0.3, queries=500, segments=3, certify=DEMO_CERTIFY,
                                focus={"apgd-ce-long": 0.5, "apgd-t5": 0.5, "square-aa": 0.2})
     assert printed["plan"] == expected.describe()
     assert printed["threat_model"]["preset"] == "mnist-linf"
@@ -258,13 +258,14 @@ def test_dry_run_prints_the_plan_it_would_run(capsys, tmp_path):
     printed = json.loads(capsys.readouterr().out)["plan"]
     schedule = printed["schedule"]
     assert (schedule["mode"], schedule["focus"], schedule["segments"]) == ("full", {}, 1)
-    assert printed == bundles.default("linf", 0.3, mode="full").describe()
+    assert printed == bundles.default("linf", 0.3, mode="full", certify=DEMO_CERTIFY).describe()
     for schedule, restarts in (("cascade", "cascade"), ("full", "vmap")):
         assert main(["evaluate", "--dry-run", "--bundle", "autoattack", "--schedule",
                      schedule]) == 0
         printed = json.loads(capsys.readouterr().out)["plan"]
         assert printed["run"]["restart_mode"] == restarts
-        assert printed == bundles.autoattack("linf", 0.3, mode=schedule).describe()
+        assert printed == bundles.autoattack("linf", 0.3, mode=schedule,
+                                             certify=DEMO_CERTIFY).describe()
 
 
 def _toy():

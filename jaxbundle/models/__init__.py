@@ -4,8 +4,9 @@
   and :func:`canonical_convolutions`, the same for any model's convolutions.
 * :mod:`~jaxbundle.models.config`: :class:`TrainConfig`, what determines a trained model.
 * :mod:`~jaxbundle.models.architectures`: :class:`SmallCNN`, :class:`MLP`, :func:`model_for`.
-* :mod:`~jaxbundle.models.training`: :func:`train` (standard or PGD
-  adversarial), :func:`pgd_linf`, :func:`accuracy`.
+* :mod:`~jaxbundle.models.training`: :func:`train` (standard, PGD
+  adversarial or verified), :func:`pgd_linf`, :func:`accuracy`.
+* :mod:`~jaxbundle.models.certified`: the verified (IBP, CROWN-IBP) training loss and schedules.
 * :mod:`~jaxbundle.models.cache`: :func:`load_or_train` and the demo models :data:`MODELS`.
 * :mod:`~jaxbundle.models.randomized`: :func:`randomized`, a randomised defence (input noise
   and a random shift) around any model.
@@ -50,6 +51,7 @@ from jaxbundle.models.randomized import Defence, randomized
 from jaxbundle.models.training import (
     ADVERSARIAL,
     ADVERSARIAL_LINEN,
+    CERTIFIED,
     STANDARD,
     accuracy,
     pgd_linf,
@@ -78,6 +80,7 @@ __all__ = [
     "STANDARD",
     "ADVERSARIAL",
     "ADVERSARIAL_LINEN",
+    "CERTIFIED",
     "MODELS",
     "DEFENCES",
     "Defence",

@@ -20,6 +20,7 @@ from jaxbundle.models.architectures import ApplyFn, Params, model_for, model_nam
 from jaxbundle.models.training import (
     ADVERSARIAL,
     ADVERSARIAL_LINEN,
+    CERTIFIED,
     STANDARD,
     Progress,
     TrainConfig,
@@ -46,6 +47,7 @@ MODELS: dict[str, TrainConfig] = {
     "standard": STANDARD,
     "adversarial": ADVERSARIAL,
     "adversarial-linen": ADVERSARIAL_LINEN,
+    "certified": CERTIFIED,
 }
 
 

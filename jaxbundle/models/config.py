@@ -29,6 +29,13 @@ class TrainConfig(NamedTuple):
         linearly from 0 to their final values.
       clean_fraction: fraction of each adversarial batch left unperturbed.
       cosine_decay: decay the learning rate to 0 with a cosine schedule (else constant).
+      certified: verified training against sound bounds over the eps ball instead of natural
+        or PGD training: ``"ibp"`` (Gowal et al. 2018) or ``"crown-ibp"`` (Zhang et al. 2020),
+        ``None`` for none (see :mod:`jaxbundle.models.certified`). The eps ramp is
+        ``eps_warmup``'s; the weights start from the IBP initialisation (Shi et al. 2021).
+      kappa_start: weight of the natural cross-entropy against the verified one at the start
+        of verified training; it moves linearly to ``kappa_end`` over the eps ramp.
+      kappa_end: that weight from the end of the eps ramp on.
     """
 
     arch: str = "small_cnn"
@@ -45,3 +52,6 @@ class TrainConfig(NamedTuple):
     eps_warmup: float = 0.3
     clean_fraction: float = 0.0
     cosine_decay: bool = True
+    certified: str | None = None
+    kappa_start: float = 1.0
+    kappa_end: float = 0.5

@@ -1,0 +1,125 @@
+"""Certified vs bundled vs exact robust accuracy, and what certification costs (issue 30).
+
+Two parts, on the embedded MNIST test sample (the first ``--n`` images), Linf:
+
+* **the sandwich**: for each model, the bundled robust accuracy of the ``default`` bundle and
+  the certified one of each bound method, the examples neither decides, and (small ReLU
+  networks) the complete mode's exact answer, each with its seconds. Models: the demo CNNs
+  (``standard``, ``adversarial``: PGD-trained, ``certified``: IBP-trained) at eps 0.3, and
+  three one-hidden-layer MLPs (784-64-10, standard, PGD- and IBP-trained here, cached like the
+  demo models) at eps 0.1, small enough for the complete mode to decide every example;
+* **the cost**: IBP, CROWN-IBP and CROWN margin bounds of the demo ``SmallCNN`` on
+  ``--cost-n`` images against PGD-10's floor (10 forward+backward passes of the same model on
+  the same images), medians of ``--repeats`` interleaved rounds.
+
+    python benchmarks/certify.py                # about 20 minutes on 2 CPU cores
+    python benchmarks/certify.py --quick        # n = 32, a few minutes
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from harness import machine_facts, parse_run_args, write_results
+
+import jaxbundle
+from jaxbundle import bundles, models
+from jaxbundle.certify import bounds
+from jaxbundle.data import load_mnist_sample
+
+MLPS = {
+    "mlp-standard": models.TrainConfig(arch="mlp", epochs=4),
+    "mlp-pgd": models.TrainConfig(arch="mlp", adversarial=True, eps=0.1, epochs=8),
+    "mlp-ibp": models.TrainConfig(arch="mlp", certified="ibp", eps=0.15, epochs=20,
+                                  batch_size=50, learning_rate=2e-3, eps_warmup=0.4,
+                                  kappa_start=0.0, kappa_end=0.0),
+}
+
+
+def sandwich(name: str, apply_fn, params, x, y, eps: float, methods: tuple[str, ...],
+             time_limit: float) -> dict:
+    """One model: the bundled figure once (the attacks do not depend on the method) and each
+    method's certified figure with its seconds."""
+    out: dict = {"eps": eps, "methods": {}}
+    for method in methods:
+        plan = bundles.plan("default", "linf", eps).replace(
+            certify=method, certify_time_limit=time_limit if method == "complete" else None)
+        start = time.perf_counter()
+        ev = jaxbundle.evaluate(apply_fn, params, (x, y), plan, mesh=None)
+        c = ev.metrics["certified"]
+        out.update(clean_accuracy=ev.metrics["clean_accuracy"],
+                   robust_accuracy=ev.metrics["robust_accuracy"])
+        out["methods"][method] = {
+            "certified_robust_accuracy": c["certified_robust_accuracy"],
+            "undecided": c["undecided"], "certified_and_fooled": c["certified_and_fooled"],
+            "exact": c["exact"], "certify_seconds": round(c["seconds"], 2),
+            "run_seconds": round(time.perf_counter() - start, 2),
+        }
+        print(name, method, out["robust_accuracy"], out["methods"][method], flush=True)
+    return out
+
+
+def _median_seconds(fn, repeats: int) -> float:
+    jax.block_until_ready(fn())  # compile
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
+def cost(n: int, repeats: int) -> dict:
+    """Margin bounds of the demo SmallCNN against PGD-10's forward+backward floor."""
+    apply_fn, params = models.load_or_train(models.ADVERSARIAL)
+    sample = load_mnist_sample("test", n)
+    x, y = jnp.asarray(sample.x), jnp.asarray(sample.y)
+    gradient = jax.jit(jax.grad(lambda p, v: jnp.sum(
+        jax.nn.log_softmax(apply_fn(p, v))[jnp.arange(n), y])), argnums=1)
+
+    def floor():
+        v = x
+        for _ in range(10):
+            v = jnp.clip(v + 0.01 * jnp.sign(gradient(params, v)), 0, 1)
+        return v
+
+    out = {"n": n, "pgd10_floor_seconds": _median_seconds(floor, repeats)}
+    for method in bounds.METHODS:
+        fn = jax.jit(lambda p, v, t, m=method: bounds.margin_bounds(apply_fn, p, v, t, eps=0.3,
+                                                                      method=m))
+        seconds = _median_seconds(lambda f=fn: f(params, x, y), repeats)
+        out[method] = {"seconds": seconds, "ratio": seconds / out["pgd10_floor_seconds"]}
+        print("cost", method, out[method], flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n", type=int, default=200)
+    p.add_argument("--cost-n", type=int, default=1000)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--time-limit", type=float, default=10.0)
+    args = parse_run_args(p, argv, "certify", {"n": 32, "cost_n": 200, "repeats": 1})
+    results = {"machine": machine_facts(), "n": args.n, "models": {}}
+    sample = load_mnist_sample("test", args.n)
+    x, y = sample.x, sample.y
+    for name in ("standard", "adversarial", "certified"):
+        apply_fn, params = models.load_or_train(models.MODELS[name])
+        results["models"][name] = sandwich(name, apply_fn, params, x, y, 0.3,
+                                           ("ibp", "crown-ibp", "crown"), args.time_limit)
+    for name, config in MLPS.items():
+        apply_fn, params = models.load_or_train(config)
+        results["models"][name] = sandwich(name, apply_fn, params, x, y, 0.1,
+                                           ("crown-ibp", "crown", "complete"), args.time_limit)
+    results["cost"] = cost(args.cost_n, args.repeats)
+    write_results(args.out, results)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,150 @@
+"""Certification inside an evaluation: the plan's rules, the per-example arrays and the record,
+the sandwich [certified, bundled] on models with known answers, and the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxbundle import Plan, evaluate, stochastic
+from jaxbundle.certify import run as certify_run
+from jaxbundle.cli import main
+from toys import images, linear_apply, linear_problem, min_distance
+
+ATTACKS = ("apgd-ce", "apgd-t3")
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"certify": "exact"}, "certify must be one of"),
+    ({"certify": "complete", "norm": "l2"}, "linf norm only"),
+    ({"certify": "crown", "certify_time_limit": 5.0}, "needs certify='complete'"),
+    ({"certify": "complete", "certify_time_limit": 0.0}, "seconds > 0"),
+])
+def test_bad_certify_fields_are_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        Plan(eps=0.1, attacks=("fgsm",), **fields).check()
+
+
+def test_certify_needs_the_right_kind_of_model():
+    def noisy(params, x, key):
+        return linear_apply(params, x + 0.1 * jax.random.normal(key, x.shape))
+
+    with pytest.raises(ValueError, match="bounds a deterministic model"):
+        Plan(eps=0.1, attacks=("fgsm",), certify="crown").check(stochastic(noisy))
+    with pytest.raises(ValueError, match="jaxbundle.certify.gaussian"):
+        Plan(eps=0.1, attacks=("fgsm",), certify="smoothing").check(linear_apply)
+    assert Plan(eps=0.1, attacks=("fgsm",), certify="crown").describe()["certify"] == {
+        "method": "crown", "time_limit": None}
+
+
+@pytest.fixture(scope="module")
+def linear():
+    params, x, y = linear_problem(n=40, k=4, seed=3)
+    eps = float(np.quantile(min_distance(params, x, y, "linf"), 0.5))
+    plan = Plan(eps=eps, attacks=ATTACKS, steps=20, judging="float", certify="crown",
+                batch_size=16)
+    return params, np.asarray(images(x)), y, evaluate(linear_apply, params, (images(x), y), plan,
+                                                      mesh=None)
+
+
+def test_a_linear_model_is_decided_on_both_sides(linear):
+    """CROWN is exact on a linear model (the box aside, which only helps it), and the attacks
+    find the minimum there: certified where the true distance exceeds eps, fooled where it is
+    below; nothing both, and the interval is as narrow as the attacks are strong."""
+    params, x, y, result = linear
+    pe, m = result.per_example, result.metrics
+    distance = min_distance(params, x.reshape(len(x), -1), y, "linf")
+    eps = m["eps"]
+    certified, fooled = pe["certified"], pe["success"]
+    assert not np.any(certified & fooled)
+    assert np.all(certified[distance > eps * 1.001])
+    assert np.all(fooled[distance < eps * 0.999])
+    record = m["certified"]
+    assert record["method"] == "crown" and record["certified_and_fooled"] == 0
+    assert record["certified_robust_accuracy"] == pytest.approx(100 * certified.mean())
+    assert record["interval"] == [record["certified_robust_accuracy"], m["robust_accuracy"]]
+    assert record["undecided"] == int(np.sum(~certified & ~fooled))
+    assert m["checks"]["certified_and_fooled"]["passed"]
+    assert "certified_and_fooled" in m["check_flag_names"]
+    # The bound margin is a lower bound of the margin at the clean image.
+    logits = np.asarray(linear_apply(params, jnp.asarray(x)))
+    clean = logits[np.arange(len(y)), y] - np.max(
+        np.where(np.eye(logits.shape[1], dtype=bool)[y], -np.inf, logits), axis=1)
+    assert np.all(pe["bound_margin"] <= clean + 1e-4)
+
+
+def test_the_certified_radius_is_sandwiched_by_the_truth_and_the_attacks(linear):
+    """The certified side of P(D): each example's certified radius is at least the exact
+    distance to the decision boundary (less the bisection's resolution: CROWN is exact here)
+    and never above a distortion an attack fooled it at."""
+    params, x, y, result = linear
+    pe, m = result.per_example, result.metrics
+    distance = min_distance(params, x.reshape(len(x), -1), y, "linf")
+    radius = pe["certified_radius"]
+    assert np.all(radius >= distance - 2.0 ** -certify_run.RADIUS_STEPS - 1e-6)
+    found = pe["min_distortion_bundled"]
+    assert np.all(radius[np.isfinite(found)] <= found[np.isfinite(found)] * (1 + 1e-5))
+    upper, lower = (np.asarray(m["operating_characteristic"][k]) for k in ("certified",
+                                                                             "bundled"))
+    assert np.all(lower <= upper + 1e-12)  # the attacks' P(D) under the certified bound
+    assert m["half_distortion"]["certified"]["d_half"] <= m["half_distortion"]["bundled"][
+        "d_half"]
+
+
+def _relu_net(seed: int):
+    """A random ReLU network on 2x2x1 images (4 inputs, 8 hidden units, 4 classes)."""
+    k1, k2 = jax.random.split(jax.random.key(seed))
+    params = {"w1": jax.random.normal(k1, (4, 8)), "b1": jnp.full((8,), 0.1),
+              "w2": jax.random.normal(k2, (8, 4))}
+
+    def apply_fn(p, x):
+        h = jax.nn.relu(x.reshape(x.shape[0], -1) @ p["w1"] + p["b1"][None, :])
+        return h @ p["w2"]
+
+    return apply_fn, params
+
+
+def test_complete_mode_decides_every_example_of_a_small_relu_net():
+    apply_fn, params = _relu_net(0)
+    x = jax.random.uniform(jax.random.key(1), (24, 2, 2, 1))
+    y = np.asarray(jnp.argmax(apply_fn(params, x), axis=1))
+    plan = Plan(eps=0.15, attacks=ATTACKS, steps=20, judging="float", certify="complete",
+                certify_time_limit=20.0)
+    result = evaluate(apply_fn, params, (x, y), plan, mesh=None)
+    pe, record = result.per_example, result.metrics["certified"]
+    status = pe["exact_status"]
+    assert np.all(status != certify_run.EXACT["unknown"])  # small enough to decide exactly
+    assert np.array_equal(pe["certified"], status == certify_run.EXACT["certified"])
+    assert not np.any(pe["certified"] & pe["success"])
+    assert np.all(status[pe["success"]] == certify_run.EXACT["attacked"])
+    assert record["exact"]["unknown"] == 0
+    assert record["exact"]["certified"] + record["exact"]["attacked"] == len(y)
+    missed = record["exact"]["missed_by_attacks"]
+    assert result.metrics["checks"]["missed_by_attacks"]["examples"] == missed
+    # Exact: the interval closes up to what the attacks missed.
+    assert record["undecided"] == missed
+
+
+def test_the_cli_prints_and_writes_the_interval(tmp_path, capsys):
+    model = tmp_path / "lin.py"
+    model.write_text(
+        "import jax, jax.numpy as jnp\n"
+        "def model():\n"
+        "    w = 0.05 * jax.random.normal(jax.random.key(0), (784, 10))\n"
+        "    return (lambda p, x: x.reshape(x.shape[0], -1) @ p), w\n")
+    out = tmp_path / "report"
+    argv = ["evaluate", "--model", f"lin={model}:model", "--n", "8", "--attacks", "fgsm",
+            "--eps", "0.01", "--certify", "crown-ibp", "--no-shifts", "--no-progress",
+            "--out", str(out)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "certified (crown-ibp)" in printed and "robust accuracy in" in printed
+    record = json.loads((out / "report.json").read_text())["models"]["lin"]["certified"]
+    assert record["method"] == "crown-ibp" and record["certified_and_fooled"] == 0
+    assert "Certified: robust accuracy lies in" in (out / "report.md").read_text()
+    with np.load(out / "lin.npz") as pe:
+        assert pe["certified"].shape == (8,) and pe["bound_margin"].dtype == np.float32
