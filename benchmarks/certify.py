@@ -80,7 +80,7 @@ def cost(n: int, repeats: int) -> dict:
     sample = load_mnist_sample("test", n)
     x, y = jnp.asarray(sample.x), jnp.asarray(sample.y)
     gradient = jax.jit(jax.grad(lambda p, v: jnp.sum(
-        jax.nn.log_softmax(apply_fn(p, v))[jnp.arange(n), y])), argnums=1)
+        jax.nn.log_softmax(apply_fn(p, v))[jnp.arange(n), y]), argnums=1))
 
     def floor():
         v = x

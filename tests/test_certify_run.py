@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxbundle import Plan, evaluate, stochastic
+from jaxbundle import Plan, evaluate, norms, stochastic
 from jaxbundle.certify import run as certify_run
 from jaxbundle.cli import main
 from toys import images, linear_apply, linear_problem, min_distance
@@ -148,3 +148,26 @@ def test_the_cli_prints_and_writes_the_interval(tmp_path, capsys):
     assert "Certified: robust accuracy lies in" in (out / "report.md").read_text()
     with np.load(out / "lin.npz") as pe:
         assert pe["certified"].shape == (8,) and pe["bound_margin"].dtype == np.float32
+
+
+def test_smoothing_certifies_the_smoothed_linear_classifier_beside_its_attack():
+    """A linear base classifier under noise: CERTIFY's radius never exceeds the exact distance
+    to the decision boundary (the smoothed classifier of a linear one is the same linear
+    classifier), the certified examples are those whose radius reaches eps, and the run's
+    record and per-example arrays say so."""
+    from jaxbundle import certify
+
+    params, x, y = linear_problem(n=12, k=3, d=4, seed=5, spread=0.3)
+    distance = min_distance(params, x, y, "l2")
+    eps = float(np.quantile(distance, 0.5))
+    model = certify.gaussian(linear_apply, 0.5 * eps, calls=8)
+    plan = Plan(eps=eps, norm="l2", attacks=("pgd-ce",), steps=5, judging="float",
+                certify="smoothing", eot=2)
+    result = evaluate(model, params, (images(x, (2, 2, 1)), y), plan, mesh=None)
+    pe, record = result.per_example, result.metrics["certified"]
+    right = pe["smoothed_prediction"] == y
+    assert np.all(pe["smoothed_radius"][right] <= distance[right] + 1e-6)
+    limit = float(norms.ball_limit(eps))
+    np.testing.assert_array_equal(pe["certified"], right & (pe["smoothed_radius"] >= limit))
+    assert 0 < pe["certified"].sum() < len(y) and record["method"] == "smoothing"
+    assert "smoothed classifier" in record["statement"]

@@ -95,7 +95,10 @@ def test_model_for():
 
 def test_registry_and_defaults():
     assert models.MODELS == {"standard": models.STANDARD, "adversarial": models.ADVERSARIAL,
-                             "adversarial-linen": models.ADVERSARIAL_LINEN}
+                             "adversarial-linen": models.ADVERSARIAL_LINEN,
+                             "certified": models.CERTIFIED}
+    assert models.CERTIFIED.certified == "ibp" and not models.CERTIFIED.adversarial
+    assert models.model_name(models.CERTIFIED) == "small_cnn-ibp"
     assert not models.STANDARD.adversarial
     assert models.ADVERSARIAL.adversarial
     assert models.ADVERSARIAL.eps == pytest.approx(0.3)

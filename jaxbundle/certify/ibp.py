@@ -8,7 +8,7 @@ monotone, so they map the interval's ends.
 
 Float32 rounding. Next to each interval the sweep carries a magnitude ``m``: the same
 propagation with every fixed operand replaced by its absolute value, restarted at every
-activation from the bounds of its input, so that ``m`` bounds the sum of the absolute values of
+activation from the bounds of its output, so that ``m`` bounds the sum of the absolute values of
 the terms each layer's values are computed from. Every bound the package returns or relaxes
 with is widened by ``rounding * m`` (see :func:`rounding_for`): rounding in float32 sums is a
 few ulps of that sum per operation, in the model's own forward pass and in the bound's
@@ -126,11 +126,10 @@ def sweep(graph: graphs.Graph, arguments: list, box: Box, *, rounding: float,
                 lower, upper = jnp.maximum(lower, better_lower), jnp.minimum(upper, better_upper)
             state.pre[index] = (lower, upper)
             # Each layer's sums round in proportion to the values they sum: the magnitude
-            # restarts from the activation's input bounds (a product of |weights| through
-            # every layer would measure the worst case of an error nobody meets, and certify
-            # nothing on a trained network).
-            magnitude = jax.lax.stop_gradient(jnp.maximum(jnp.abs(lower), jnp.abs(upper)))
-            intervals[equation.outputs[0]] = _activation(equation, lower, upper, magnitude)
+            # restarts at every activation from its output's own bounds, 0 for a ReLU that
+            # is off (a product of |weights| through every layer would measure the worst case
+            # of an error nobody meets, and certified nothing on the demo CNNs).
+            intervals[equation.outputs[0]] = _activation(equation, lower, upper)
     return state
 
 
@@ -167,13 +166,12 @@ def absolute(equation, arguments: list, dependent: list[bool], *, constants: boo
     return equation.apply(*args)
 
 
-def _activation(equation, lower, upper, magnitude) -> Interval:
-    """The interval of a monotone activation's output from its input's ``[lower, upper]``."""
+def _activation(equation, lower, upper) -> Interval:
+    """The interval of a monotone activation's output from its input's ``[lower, upper]``, its
+    magnitude the output's own bound on its absolute value."""
     if equation.kind == graphs.RELU:
-        return interval_of(jnp.maximum(lower, 0.0), jnp.maximum(upper, 0.0), magnitude)
-    (low,), (high,) = equation.apply(lower), equation.apply(upper)
-    if equation.kind == graphs.MAXIMUM:
-        (largest,) = equation.apply(magnitude)
-    else:  # the largest magnitude of a window is -min(-magnitude)
-        largest = -equation.apply(-magnitude)[0]
-    return interval_of(low, high, jax.lax.stop_gradient(largest))
+        low, high = jnp.maximum(lower, 0.0), jnp.maximum(upper, 0.0)
+    else:
+        (low,), (high,) = equation.apply(lower), equation.apply(upper)
+    magnitude = jax.lax.stop_gradient(jnp.maximum(jnp.abs(low), jnp.abs(high)))
+    return interval_of(low, high, magnitude)

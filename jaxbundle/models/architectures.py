@@ -131,5 +131,6 @@ def _module(arch: str, num_classes: int) -> nn.Module:
 
 
 def model_name(config: TrainConfig) -> str:
-    """A short human-readable name, e.g. ``"small_cnn-adv"``; the cache file prefix."""
-    return f"{config.arch}-{'adv' if config.adversarial else 'std'}"
+    """A short human-readable name, e.g. ``"small_cnn-adv"`` (``-ibp`` / ``-crown-ibp`` for
+    verified training); the cache file prefix."""
+    return f"{config.arch}-{config.certified or ('adv' if config.adversarial else 'std')}"

@@ -40,7 +40,7 @@ __all__ = [
 
 # Bump whenever the architectures or the training procedure change in a way that makes
 # previously cached weights stale. It is part of every cache key.
-CODE_VERSION = 2
+CODE_VERSION = 3
 
 # The demo models by name (the CLI's ``--models``).
 MODELS: dict[str, TrainConfig] = {
