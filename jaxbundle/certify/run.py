@@ -105,6 +105,9 @@ def batch(plan: Any, model: Any, x: jax.Array, y: jax.Array, example_id: jax.Arr
     arrays of the same batch): ``certified``, ``bound_margin``; with ``complete`` also
     ``exact_status`` (``certified`` then says what the complete mode proved); with
     ``smoothing`` ``smoothed_prediction`` and ``smoothed_radius``."""
+    if plan.certify in ("complete", "smoothing") and jax.process_count() > 1:
+        raise ValueError(f"certify={plan.certify!r} runs on the host of one process; across "
+                         "processes use ibp, crown-ibp or crown (sharded like the attacks)")
     on_grid = np.zeros(len(real), bool)
     on_grid[real] = outputs["judged_on_grid"]
     eps = radius(plan, on_grid)
