@@ -4,6 +4,9 @@ the sandwich [certified, bundled] on models with known answers, and the CLI."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -171,3 +174,30 @@ def test_smoothing_certifies_the_smoothed_linear_classifier_beside_its_attack():
     np.testing.assert_array_equal(pe["certified"], right & (pe["smoothed_radius"] >= limit))
     assert 0 < pe["certified"].sum() < len(y) and record["method"] == "smoothing"
     assert "smoothed classifier" in record["statement"]
+
+
+def test_a_mesh_of_four_devices_certifies_as_one(tmp_path):
+    """The bounds run on the attacks' sharded batch: four (fake CPU) devices give every
+    per-example array of one, bit for bit."""
+    script = tmp_path / "mesh.py"
+    script.write_text(
+        "import numpy as np\n"
+        "from jaxbundle import Plan, evaluate\n"
+        "from toys import images, linear_apply, linear_problem\n"
+        "params, x, y = linear_problem(n=32, k=4, seed=3)\n"
+        "plan = Plan(eps=0.02, attacks=('apgd-ce',), steps=5, judging='float',\n"
+        "            certify='crown-ibp', batch_size=16)\n"
+        "one = evaluate(linear_apply, params, (images(x), y), plan, mesh=None)\n"
+        "four = evaluate(linear_apply, params, (images(x), y), plan, mesh='auto')\n"
+        "for k in ('certified', 'bound_margin', 'certified_radius'):\n"
+        "    assert np.array_equal(one.per_example[k], four.per_example[k]), k\n"
+        "assert one.metrics['certified'] == {**four.metrics['certified'],\n"
+        "                                    'seconds': one.metrics['certified']['seconds']}\n"
+        "print('same', one.per_example['certified'].sum())\n")
+    env = dict(os.environ, PYTHONPATH=os.path.dirname(__file__),
+               XLA_FLAGS=os.environ.get("XLA_FLAGS", "")
+               + " --xla_force_host_platform_device_count=4")
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.startswith("same")
