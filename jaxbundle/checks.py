@@ -352,10 +352,8 @@ def add_certified(metrics: dict, per_example: dict[str, np.ndarray]) -> None:
         certified & per_example["success"].astype(bool),
         "{count} examples were both certified robust and fooled by an attack")
     if "exact_status" in per_example:
-        from jaxbundle.certify.run import EXACT
+        from jaxbundle.certify.run import missed_by_attacks
 
-        missed = ((per_example["exact_status"] == EXACT["attacked"]) & _correct(per_example)
-                  & ~per_example["success"].astype(bool))
-        add(metrics, per_example, "missed_by_attacks", missed,
+        add(metrics, per_example, "missed_by_attacks", missed_by_attacks(per_example),
             "the complete mode found an adversarial example for {count} examples that no "
             "attack fooled")

@@ -309,8 +309,7 @@ def _certify_flags(ev: argparse.ArgumentParser) -> None:
         "--certify", choices=(*CERTIFY_METHODS, "none"), default=None,
         help="certify every example beside the attacks (default: crown-ibp for the demo "
         "models when neither --model nor --models is given, else none): ibp, crown-ibp, crown "
-        "(bound "
-        "propagation through the model's jaxpr), complete (exact MIP on what crown leaves "
+        "(bound propagation through the model's jaxpr), complete (exact MIP on what crown leaves "
         "open; linf, ReLU networks), smoothing (Cohen et al.'s CERTIFY; a model declared with "
         "jaxbundle.certify.gaussian)",
     )

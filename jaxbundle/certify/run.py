@@ -12,7 +12,6 @@ grid the grid's radius, in float32 the eps ball with the judge's float slack.
 from __future__ import annotations
 
 import functools
-import time
 from typing import Any, Callable
 
 import jax
@@ -22,8 +21,9 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxbundle import curves, norms
 from jaxbundle.certify import bounds
+from jaxbundle.plan import CERTIFY_TIME_LIMIT
 
-__all__ = ["EXACT", "RADIUS_STEPS", "batch", "curve", "figures", "radius"]
+__all__ = ["EXACT", "RADIUS_STEPS", "batch", "curve", "figures", "missed_by_attacks", "radius"]
 
 # exact_status codes (the complete mode's per-example verdict)
 EXACT = {"certified": 1, "unknown": 0, "attacked": -1}
@@ -91,7 +91,7 @@ def _exact(plan: Any, model: Any, x: np.ndarray, y: np.ndarray, eps: np.ndarray,
     from jaxbundle.certify import complete  # SciPy's MIP solver: loaded when used
 
     status = np.zeros(len(x), np.int8)
-    limit = plan.certify_time_limit or 10.0
+    limit = plan.certify_time_limit or CERTIFY_TIME_LIMIT
     for i in np.flatnonzero(~decided):
         (decision,) = complete.complete(model.apply_fn, model.params, x[i:i + 1], y[i:i + 1],
                                         eps=float(eps[i]), time_limit=limit)
@@ -137,16 +137,12 @@ def _smoothed(plan, model, x, example_id, eps, real, labels) -> dict[str, np.nda
     cert = smoothing.certify(model.apply_fn, model.params, np.asarray(x)[real], key=key,
                              n=SMOOTHING_SAMPLES,
                              example_id=np.asarray(example_id)[real])
-    needed = np.asarray(eps)[real]
-    if plan.norm == "linf":
-        needed = needed * np.sqrt(np.prod(np.shape(x)[1:]))
-    prediction = np.asarray(cert.prediction)
-    certified = (prediction == labels) & (np.asarray(cert.radius) >= needed)
     scale = np.sqrt(np.prod(np.shape(x)[1:])) if plan.norm == "linf" else 1.0
-    return {"certified": certified, "smoothed_prediction": prediction.astype(np.int32),
-            "smoothed_radius": np.asarray(cert.radius, np.float32),
-            "certified_radius": np.where(prediction == labels, np.asarray(cert.radius) / scale,
-                                         0.0).astype(np.float32)}
+    right, l2_radius = np.asarray(cert.prediction) == labels, np.asarray(cert.radius)
+    return {"certified": right & (l2_radius >= np.asarray(eps)[real] * scale),
+            "smoothed_prediction": np.asarray(cert.prediction, np.int32),
+            "smoothed_radius": l2_radius.astype(np.float32),
+            "certified_radius": np.where(right, l2_radius / scale, 0.0).astype(np.float32)}
 
 
 def figures(plan: Any, per_example: dict[str, np.ndarray], robust_accuracy: float,
@@ -171,10 +167,17 @@ def figures(plan: Any, per_example: dict[str, np.ndarray], robust_accuracy: floa
     if "exact_status" in per_example:
         status = per_example["exact_status"]
         record["exact"] = {name: int(np.sum(status == code)) for name, code in EXACT.items()}
-        record["exact"]["missed_by_attacks"] = int(np.sum((status == EXACT["attacked"])
-                                                          & correct & ~fooled))
+        record["exact"]["missed_by_attacks"] = int(np.sum(missed_by_attacks(per_example)))
     record["statement"] = _statement(record, plan)
     return record
+
+
+def missed_by_attacks(per_example: dict[str, np.ndarray]) -> np.ndarray:
+    """``[n]``: correctly classified, fooled by no attack, and the complete mode found an
+    adversarial point (``exact_status`` attacked)."""
+    correct = per_example["clean_prediction"] == per_example["label"]
+    return ((per_example["exact_status"] == EXACT["attacked"]) & correct
+            & ~per_example["success"].astype(bool))
 
 
 def _statement(record: dict, plan: Any) -> str:
@@ -192,12 +195,6 @@ def _statement(record: dict, plan: Any) -> str:
         text += ("; smoothing certifies the smoothed classifier with probability 1 - alpha, "
                  "the attacks judge the noisy model by its calls")
     return text
-
-
-def timed(fn: Callable[..., dict], *args: Any) -> tuple[dict, float]:
-    """``fn(*args)`` and the seconds it took (certification's share of the wall clock)."""
-    start = time.perf_counter()
-    return fn(*args), time.perf_counter() - start
 
 
 def curve(per_example: dict[str, np.ndarray], norm: str) -> tuple[list[float], dict]:
