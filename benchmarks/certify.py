@@ -14,11 +14,13 @@ Two parts, on the embedded MNIST test sample (the first ``--n`` images), Linf:
 
     python benchmarks/certify.py                # about 20 minutes on 2 CPU cores
     python benchmarks/certify.py --quick        # n = 32, a few minutes
+    python benchmarks/certify.py --cost-only    # the cost part alone (results/certify_cost.json)
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import jax
@@ -29,7 +31,7 @@ from harness import machine_facts, parse_run_args, write_results
 
 import jaxbundle
 from jaxbundle import bundles, models
-from jaxbundle.certify import bounds
+from jaxbundle.certify import bounds, packing
 from jaxbundle.data import load_mnist_sample
 
 MLPS = {
@@ -89,12 +91,20 @@ def cost(n: int, repeats: int) -> dict:
         return v
 
     out = {"n": n, "pgd10_floor_seconds": _median_seconds(floor, repeats)}
-    for method in bounds.METHODS:
-        fn = jax.jit(lambda p, v, t, m=method: bounds.margin_bounds(apply_fn, p, v, t, eps=0.3,
-                                                                      method=m))
-        seconds = _median_seconds(lambda f=fn: f(params, x, y), repeats)
-        out[method] = {"seconds": seconds, "ratio": seconds / out["pgd10_floor_seconds"]}
-        print("cost", method, out[method], flush=True)
+    # "crown-one-neuron-per-row": CROWN without packing (jaxbundle/certify/packing.py), as
+    # before it: traced with packing off (a fresh apply_fn, so not a cached trace).
+    for label in (*bounds.METHODS, "crown-one-neuron-per-row"):
+        method, model = label.split("-one")[0], functools.partial(apply_fn)
+        fn = jax.jit(lambda p, v, t, m=method, f=model: bounds.margin_bounds(
+            f, p, v, t, eps=0.3, method=m))
+        cap = packing.MAX_PIXELS
+        packing.MAX_PIXELS = 0 if label != method else cap
+        try:
+            seconds = _median_seconds(lambda f=fn: f(params, x, y), repeats)
+        finally:
+            packing.MAX_PIXELS = cap
+        out[label] = {"seconds": seconds, "ratio": seconds / out["pgd10_floor_seconds"]}
+        print("cost", label, out[label], flush=True)
     return out
 
 
@@ -104,8 +114,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cost-n", type=int, default=1000)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--time-limit", type=float, default=10.0)
+    p.add_argument("--cost-only", action="store_true", help="only the cost part")
     args = parse_run_args(p, argv, "certify", {"n": 32, "cost_n": 200, "repeats": 1})
     results = {"machine": machine_facts(), "n": args.n, "models": {}}
+    if args.cost_only:
+        results["cost"] = cost(args.cost_n, args.repeats)
+        cost_path = args.out.with_name(args.out.name.replace("certify", "certify_cost"))
+        write_results(cost_path, results)
+        return 0
     sample = load_mnist_sample("test", args.n)
     x, y = sample.x, sample.y
     for name in ("standard", "adversarial", "certified"):

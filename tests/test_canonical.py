@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxbundle import bundler, models
+from jaxbundle import bundler, canonical, models
 from jaxbundle.attacks import fab, pgd
 from jaxbundle.models import canonical_convolutions
 
@@ -94,12 +94,55 @@ def test_flax_models_same_value_and_input_gradient(shape):
     assert_same(module.apply, params, x)
 
 
+@settings(max_examples=30, deadline=None)
+@given(
+    layout=st.sampled_from(LAYOUTS),
+    size=st.tuples(st.integers(3, 9), st.integers(3, 9)),
+    window=st.tuples(st.integers(1, 5), st.integers(1, 5)),
+    strides=st.tuples(st.integers(1, 3), st.integers(2, 3)),
+    padding=st.sampled_from(["SAME", "VALID", ((1, 0), (2, 1)), ((0, 2), (3, 0))]),
+    features=st.sampled_from([1, 3, 8, 9]),
+)
+def test_subpixel_input_gradient_equals_the_dilated_one(layout, size, window, strides, padding,
+                                                        features):
+    """certify's sub-pixel transposes (strides 2-3, any kernel, padding and layout; below 8
+    input features the dilated form stays) give JAX's own input gradient, and the kernel's."""
+    shapes = {"N": 2, "C": features, "H": size[0], "W": size[1]}
+    x = jax.random.normal(jax.random.key(0), [shapes[d] for d in layout[0]])
+    kshape = {"O": 3, "I": features, "H": window[0], "W": window[1]}
+    k = jax.random.normal(jax.random.key(1), [kshape[d] for d in layout[1]])
+
+    def conv(kernel, image):
+        return jax.lax.conv_general_dilated(image, kernel, strides, padding,
+                                            dimension_numbers=layout)
+
+    out, pullback = jax.vjp(conv, k, x)
+    cotangent = jax.random.normal(jax.random.key(2), out.shape)
+    mine, my_pullback = jax.vjp(canonical_convolutions(conv, subpixel=True), k, x)
+    np.testing.assert_allclose(mine, out, rtol=1e-5, atol=1e-5)
+    for a, b in zip(my_pullback(cotangent), pullback(cotangent)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_subpixel_form_applies_to_strided_undilated_convolutions_only():
+    conv = dict(window_strides=(2, 2), padding=((1, 2), (1, 2)), lhs_dilation=(1, 1),
+                rhs_dilation=(1, 1), feature_group_count=1, precision=None)
+    g, kernel = jnp.ones((1, 7, 7, 4)), jnp.ones((5, 5, 8, 4))
+    assert canonical.strided_transpose(g, kernel, conv, (1, 14, 14, 8)).shape == (1, 14, 14, 8)
+    for change in ({"window_strides": (1, 1)}, {"rhs_dilation": (2, 1)}, {"lhs_dilation": (1, 2)},
+                   {"feature_group_count": 2}):
+        assert canonical.strided_transpose(g, kernel, conv | change, (1, 14, 14, 8)) is None
+    assert canonical.strided_transpose(g, kernel[:, :, :1], conv, (1, 14, 14, 1)) is None
+
+
 def test_wrapper_is_hashed_by_the_model_and_idempotent():
     f = models.LinenCNN().apply
     g = canonical_convolutions(f)
     assert g == canonical_convolutions(f) and hash(g) == hash(canonical_convolutions(f))
     assert canonical_convolutions(g) is g
     assert g != canonical_convolutions(models.SmallCNN().apply)
+    assert canonical_convolutions(g, subpixel=True) != g
+    assert canonical_convolutions(canonical_convolutions(g, subpixel=True)) == g
 
 
 def test_model_without_convolutions_is_called_as_it_is():

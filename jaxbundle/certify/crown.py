@@ -16,9 +16,11 @@ once; for an identity specification it does not depend on the example either, so
 a group of examples computes it once per group.
 
 Cost: one backward pass per row. CROWN's intermediate bounds take one row per activation input
-element (in chunks of :data:`CHUNK_ELEMENTS`), each as wide as the whole feature maps it
-crosses: dense rows, not the convolutions' receptive fields ("patches", auto_LiRPA's
-convolution mode, would cut the first convolutions' share several times; not done).
+element, except that elements whose input pixels are disjoint share a row
+(:mod:`jaxbundle.certify.packing`: a convolution's neurons a receptive field apart), in chunks
+of :data:`CHUNK_ELEMENTS`; each row is as wide as the whole feature maps it crosses. Strided
+convolutions' transposes take the sub-pixel form
+(:func:`jaxbundle.canonical.strided_transpose`).
 """
 
 from __future__ import annotations
@@ -31,10 +33,10 @@ import numpy as np
 
 from jaxbundle.canonical import canonical_convolutions
 from jaxbundle.certify import graph as graphs
-from jaxbundle.certify import ibp
+from jaxbundle.certify import ibp, packing
 from jaxbundle.certify.sets import Box, BallInBox, minimise
 
-__all__ = ["CHUNK_ELEMENTS", "Pair", "backward", "linear_bounds", "refinement"]
+__all__ = ["CHUNK_ELEMENTS", "Owners", "Pair", "backward", "linear_bounds", "refinement"]
 
 # Rows of an identity specification propagated at once: at most this many coefficients per
 # example for the program's largest value (the memory of one coefficient array).
@@ -66,15 +68,39 @@ def _add(p: Pair | None, q: Pair | None) -> Pair | None:
     return Pair(lower, _plus(p.upper, q.upper))
 
 
-def _dot(coefficients, value):
-    """``[S]`` inner products of ``coefficients`` ``[S, *shape]`` with ``value`` ``[*shape]``."""
+class Owners(NamedTuple):
+    """Which neuron of a packed row (:mod:`jaxbundle.certify.packing`) each element is for.
+
+    Attributes:
+      owner: ``[S, pixels]`` the slot of the row's neuron depending on each input pixel
+        (``slots`` where none does).
+      pixel: value id -> ``[elements]`` one input pixel each element depends on.
+      slots: neurons per row.
+    """
+
+    owner: jax.Array
+    pixel: dict
+    slots: int
+
+    def of(self, value_id) -> jax.Array:
+        """``[S, elements]``: the slot of the neuron each element of the value is for."""
+        return self.owner[:, self.pixel[value_id]]
+
+
+def _dot(coefficients, value, owners: Owners | None = None, value_id=None):
+    """``[S]`` inner products of ``coefficients`` ``[S, *shape]`` with ``value`` ``[*shape]``;
+    with ``owners``, ``[S, slots]``: each packed neuron's share."""
     if coefficients is None or value is None:
         return None
-    return jnp.tensordot(coefficients, value, axes=value.ndim)
+    if owners is None:
+        return jnp.tensordot(coefficients, value, axes=value.ndim)
+    product = (coefficients * value[None]).reshape(coefficients.shape[0], -1)
+    share = jax.nn.one_hot(owners.of(value_id), owners.slots, dtype=product.dtype)
+    return jnp.einsum("su,sug->sg", product, share)
 
 
 def backward(graph: graphs.Graph, state: ibp.Sweep, start: int, coefficients: dict, *,
-             elide: bool = False) -> tuple[dict, Pair | None]:
+             elide: bool = False, owners: Owners | None = None) -> tuple[dict, Pair | None]:
     """Carries ``coefficients`` (id -> :class:`Pair` of ``[S, *shape]``) on values computed
     before equation ``start`` back to the input.
 
@@ -84,6 +110,8 @@ def backward(graph: graphs.Graph, state: ibp.Sweep, start: int, coefficients: di
       coefficients: where the linear functions start.
       elide: stop at activation outputs instead of relaxing them (IBP with the specification
         merged into the affine equations that follow the last activations, Gowal et al.).
+      owners: for packed rows, the neuron each element is for (constants are then ``[S,
+        slots]``).
 
     Returns:
       ``(frontier, constants)``: id -> :class:`Pair` of the coefficients on the input (and on
@@ -98,12 +126,12 @@ def backward(graph: graphs.Graph, state: ibp.Sweep, start: int, coefficients: di
         if all(p is None for p in pairs):
             continue
         if equation.kind == graphs.AFFINE:
-            contributions, extra = _affine(graph, state, equation, pairs)
+            contributions, extra = _affine(graph, state, equation, pairs, owners)
         elif elide:
             frontier[equation.outputs[0]] = pairs[0]
             continue
         else:
-            contributions, extra = _activation(graph, state, index, pairs[0])
+            contributions, extra = _activation(graph, state, index, pairs[0], owners)
         constants = _add(constants, extra)
         for operand, pair in contributions:
             coefficients[operand] = _add(coefficients.get(operand), pair)
@@ -114,7 +142,7 @@ def backward(graph: graphs.Graph, state: ibp.Sweep, start: int, coefficients: di
 _WEIGHTED = frozenset({"mul", "div", "dot_general", "conv_general_dilated"})
 
 
-def _affine(graph, state, equation, pairs):
+def _affine(graph, state, equation, pairs, owners):
     """Contributions of an affine equation: the VJP of its x-dependent inputs (others fixed)
     applied to every row, and the rows' inner products with the equation at zero inputs."""
     positions = [k for k, i in enumerate(equation.inputs) if graph.dependent(i)]
@@ -127,8 +155,8 @@ def _affine(graph, state, equation, pairs):
         return equation.apply(*args)
 
     zeros = [jnp.zeros(graph.shapes[equation.inputs[k]].shape, jnp.float32) for k in positions]
-    if equation.name == "conv_general_dilated":  # a transpose XLA:CPU runs fast inside loops
-        linear = canonical_convolutions(linear)
+    if equation.name == "conv_general_dilated":  # transposes XLA:CPU runs fast inside loops
+        linear = canonical_convolutions(linear, subpixel=True)
     offsets, pullback = jax.vjp(linear, *zeros)
     # Products by fixed weights and structural operations without fixed floats are linear: no
     # constant (gather may fill out-of-range rows with a constant).
@@ -142,7 +170,8 @@ def _affine(graph, state, equation, pairs):
         coefficient = jax.vmap(pullback)(cotangents)
         constant = None
         if has_constant:
-            constant = sum(_dot(a, o) for a, o in zip(side, offsets) if a is not None)
+            constant = sum(_dot(a, o, owners, i)
+                           for a, o, i in zip(side, offsets, equation.outputs) if a is not None)
         return coefficient, constant
 
     lower_side = [None if p is None else p.lower for p in pairs]
@@ -183,7 +212,7 @@ def _relaxations(graph, state, index):
     return (route, constant) if equation.kind == graphs.MAXIMUM else (constant, route)
 
 
-def _activation(graph, state, index, pair):
+def _activation(graph, state, index, pair, owners):
     equation = graph.equations[index]
     (operand,) = [i for i in equation.inputs if graph.dependent(i)]
     below, above = _relaxations(graph, state, index)
@@ -195,7 +224,9 @@ def _activation(graph, state, index, pair):
         (slope_p, intercept_p), (slope_n, intercept_n) = positive_part, negative_part
         coefficient = _plus(None if slope_p is None else slope_p(positive),
                             None if slope_n is None else slope_n(negative))
-        return coefficient, _plus(_dot(positive, intercept_p), _dot(negative, intercept_n))
+        out = equation.outputs[0]
+        return coefficient, _plus(_dot(positive, intercept_p, owners, out),
+                                  _dot(negative, intercept_n, owners, out))
 
     low, low_constant = side(pair.lower, below, above)
     high, high_constant = side(pair.upper, above, below)
@@ -203,7 +234,8 @@ def _activation(graph, state, index, pair):
 
 
 def linear_bounds(graph: graphs.Graph, state: ibp.Sweep, start: int, target, spec: Pair,
-                  input_set: Box | BallInBox, *, rounding: float, elide: bool = False):
+                  input_set: Box | BallInBox, *, rounding: float, elide: bool = False,
+                  owners: Owners | None = None):
     """Lower and upper bounds ``[S]`` of ``spec @ value(target)`` over the input set.
 
     Args:
@@ -214,28 +246,31 @@ def linear_bounds(graph: graphs.Graph, state: ibp.Sweep, start: int, target, spe
       input_set: the example's set.
       rounding: relative widening (see :mod:`jaxbundle.certify.ibp`).
       elide: IBP with the specification merged into the last affine equations.
+      owners: the rows are packed (:mod:`jaxbundle.certify.packing`; a :class:`Box` set).
 
     Returns:
-      ``(lower, upper)``, each ``[S]`` or None.
+      ``(lower, upper)``, each ``[S]`` (``[S, slots]`` packed) or None.
     """
-    frontier, constants = backward(graph, state, start, {target: spec}, elide=elide)
+    frontier, constants = backward(graph, state, start, {target: spec}, elide=elide,
+                                   owners=owners)
     magnitude = state.interval(target).magnitude
     lower = upper = None
     for operand, pair in frontier.items():
         region = input_set if operand == graph.input else Box(
             *state.interval(operand).bounds(rounding))
         if pair.lower is not None:
-            lower = _plus(lower, minimise(pair.lower, region))
+            lower = _plus(lower, _minimise(pair.lower, region, owners, operand))
         if pair.upper is not None:
-            upper = _plus(upper, -minimise(-pair.upper, region))
+            upper = _plus(upper, -_minimise(-pair.upper, region, owners, operand))
     constants = constants or Pair(None, None)
 
     def finish(bound, rows, constant):
         if rows is None:
             return None
-        bound = _plus(_plus(bound, constant), jnp.zeros(rows.shape[:1], jnp.float32))
-        slack = jax.lax.stop_gradient(rounding * _dot(jnp.abs(rows), magnitude))
-        return bound, slack
+        shape = rows.shape[:1] if owners is None else (rows.shape[0], owners.slots)
+        bound = _plus(_plus(bound, constant), jnp.zeros(shape, jnp.float32))
+        slack = _dot(jnp.abs(rows), magnitude, owners, target)
+        return bound, jax.lax.stop_gradient(rounding * slack)
 
     low, high = finish(lower, spec.lower, constants.lower), finish(upper, spec.upper,
                                                                    constants.upper)
@@ -243,30 +278,59 @@ def linear_bounds(graph: graphs.Graph, state: ibp.Sweep, start: int, target, spe
             None if high is None else high[0] + high[1])
 
 
+def _minimise(coefficients, region, owners, operand):
+    """:func:`~jaxbundle.certify.sets.minimise`, split by packed neuron (a box: one term per
+    element)."""
+    if owners is None:
+        return minimise(coefficients, region)
+    center, radius = 0.5 * (region.lower + region.upper), 0.5 * (region.upper - region.lower)
+    return (_dot(coefficients, center, owners, operand)
+            - _dot(jnp.abs(coefficients), radius, owners, operand))
+
+
 def refinement(graph: graphs.Graph, input_set: Box | BallInBox, *,
                rounding: float) -> ibp.Refine:
     """CROWN bounds on an activation's input (for :func:`jaxbundle.certify.ibp.sweep`): an
-    identity specification of its elements, in chunks of rows (:data:`CHUNK_ELEMENTS`)."""
+    identity specification of its elements, several neurons to a row where their input pixels
+    are disjoint (:mod:`jaxbundle.certify.packing`; box sets), in chunks of rows
+    (:data:`CHUNK_ELEMENTS`)."""
     largest = max(int(np.prod(s.shape)) for i, s in graph.shapes.items() if i in graph.depends)
+    found = []  # the dependencies, traced once, at the first activation
 
     def refine(index, state):
         equation = graph.equations[index]
         (operand,) = [i for i in equation.inputs if graph.dependent(i)]
         shape = graph.shapes[operand].shape
         size = int(np.prod(shape))
-        rows = max(1, min(size, CHUNK_ELEMENTS // largest))
-        blocks = -(-size // rows)
+        if not found:
+            found.append(packing.dependencies(graph) if isinstance(input_set, Box) else None)
+        packed = packing.pack(graph, operand, found[0])
+        members = (np.arange(size)[:, None] if packed is None else packed.members)
+        count, slots = members.shape
+        rows = max(1, min(count, CHUNK_ELEMENTS // largest))
+        blocks = -(-count // rows)
+        members = np.pad(members, [(0, blocks * rows - count), (0, 0)], constant_values=size)
+        owner = None if packed is None else jnp.asarray(np.pad(
+            packed.owner, [(0, blocks * rows - count), (0, 0)], constant_values=slots))
 
         def block(first):
-            spec = (first + jnp.arange(rows)[:, None] == jnp.arange(size)[None, :])
+            chosen = jax.lax.dynamic_slice_in_dim(jnp.asarray(members), first, rows)
+            spec = jnp.any(chosen[:, :, None] == jnp.arange(size)[None, None], axis=1)
             spec = spec.astype(jnp.float32).reshape(rows, *shape)
+            owners = None if packed is None else Owners(
+                jax.lax.dynamic_slice_in_dim(owner, first, rows), packed.pixel, slots)
             return linear_bounds(graph, state, index, operand, Pair(spec, spec), input_set,
-                                 rounding=rounding)
+                                 rounding=rounding, owners=owners)
 
         if blocks == 1:
             lower, upper = block(0)
         else:
             lower, upper = jax.lax.map(block, jnp.arange(blocks) * rows)
-        return (lower.reshape(-1)[:size].reshape(shape), upper.reshape(-1)[:size].reshape(shape))
+
+        def unpack(bound):  # [rows (x slots)] -> the neurons', in order
+            out = jnp.zeros(size + 1, jnp.float32).at[members.reshape(-1)].set(bound.reshape(-1))
+            return out[:size].reshape(shape)
+
+        return unpack(lower), unpack(upper)
 
     return refine

@@ -1,0 +1,154 @@
+"""Several neurons in one CROWN row: the rows of an identity specification packed by the
+input pixels each neuron depends on.
+
+CROWN bounds an activation's input neuron by neuron, one backward pass per row. A neuron of a
+convolution depends on a window of input pixels only; neurons whose windows are disjoint can
+share a row: their backward passes never meet (a value reached from both would depend on a
+pixel of each window), so the row's coefficients are the sum of theirs, each where its own
+window is, and every sum the pass takes (constants, the input set's minimum) splits by owner
+(:func:`jaxbundle.certify.crown.backward`'s ``owners``). The rows are the colours of a greedy
+colouring of the neurons (two conflict when their windows meet): for SmallCNN's second
+convolution (7 x 7 x 32 outputs, 13 x 13 windows four pixels apart) 512 rows instead of
+1,568; for dense layers no packing (every neuron sees every pixel).
+
+Dependencies are found by propagating NaN: one input pixel at a time is NaN (the parameters
+ones, ReLUs the identity) and a value depends on it where it becomes NaN. That is a superset
+of the real dependencies (``0 * NaN`` is NaN), and a consistent one: a value reached from a
+neuron's backward pass depends on a subset of that neuron's pixels. Packing is not used where
+it cannot be established: inputs over :data:`MAX_PIXELS` pixels, values with elements that
+depend on no pixel (explicit padding by constants), parameters or constants that are not known
+when the program is traced, L2 input sets (whose minimum does not split by pixel).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxbundle.certify import graph as graphs
+
+__all__ = ["MAX_PIXELS", "Packing", "dependencies", "pack"]
+
+MAX_PIXELS = 4096  # largest input (pixels x channels) whose dependencies are traced
+_CHUNK = 256  # input pixels made NaN at once while tracing dependencies
+
+
+class Packing(NamedTuple):
+    """Rows of one activation input's identity specification, several neurons each.
+
+    Attributes:
+      members: ``[R, G]`` flat indices of the neurons of each row; ``size`` (one past the
+        last neuron) where a row has fewer than ``G``.
+      owner: ``[R, pixels]`` the slot (``0..G-1``) of the row's neuron that depends on each
+        input pixel; ``G`` where none does.
+      pixel: value id -> ``[elements]`` one input pixel each element depends on.
+    """
+
+    members: np.ndarray
+    owner: np.ndarray
+    pixel: dict
+
+    @property
+    def slots(self) -> int:
+        return self.members.shape[1]
+
+
+def dependencies(graph: graphs.Graph) -> tuple[dict, dict] | None:
+    """``(pixel, support)``: for every x-dependent value, one input pixel each element depends
+    on (``[elements]``); for every activation's input, which pixels each element depends on
+    (``[pixels, elements]`` booleans). None where they cannot be established (see the module
+    docstring)."""
+    pixels = int(np.prod(graph.shapes[graph.input].shape))
+    constants = list(graph.constants.values()) + [
+        i.value for e in graph.equations for i in e.inputs if isinstance(i, graphs.Constant)]
+    if pixels > MAX_PIXELS or any(isinstance(c, jax.core.Tracer) for c in constants):
+        return None
+    targets = {_operand(graph, e) for e in graph.equations
+               if e.kind not in (graphs.CONSTANT, graphs.AFFINE)}
+    count = min(pixels, _CHUNK)
+    with jax.ensure_compile_time_eval():
+        reached = [jax.vmap(lambda x: _nan_forward(graph, x))(_nan_images(graph, first, count))
+                   for first in range(0, pixels, count)]
+    pixel, support = {}, {}
+    for id_ in reached[0]:
+        found = np.concatenate([np.asarray(r[id_]) for r in reached])[:pixels]  # [pixels, n]
+        if not found.any(axis=0).all():
+            return None
+        pixel[id_] = np.argmax(found, axis=0).astype(np.int32)
+        if id_ in targets:
+            support[id_] = found
+    return pixel, support
+
+
+def _operand(graph, equation):
+    (operand,) = [i for i in equation.inputs if graph.dependent(i)]
+    return operand
+
+
+def _nan_images(graph, first, count):
+    shape = graph.shapes[graph.input].shape
+    hot = (first + np.arange(count))[:, None] == np.arange(int(np.prod(shape)))[None, :]
+    return jnp.asarray(np.where(hot, np.nan, 0.0).astype(np.float32).reshape(count, *shape))
+
+
+def _nan_forward(graph, x):
+    """Where each x-dependent value is NaN when ``x`` is (flat booleans per value id)."""
+    values = dict(graph.constants)
+    for a in graph.arguments:
+        values[a] = jnp.ones(graph.shapes[a].shape, graph.shapes[a].dtype)
+    values[graph.input] = x
+
+    def read(operand):
+        return operand.value if isinstance(operand, graphs.Constant) else values[operand]
+
+    for equation in graph.equations:
+        if equation.kind in (graphs.CONSTANT, graphs.AFFINE):
+            outputs = equation.apply(*(read(i) for i in equation.inputs))
+        elif equation.kind == graphs.RELU:  # the identity: every input element can pass
+            shape = graph.shapes[equation.outputs[0]].shape
+            outputs = [jnp.broadcast_to(read(_operand(graph, equation)), shape)]
+        else:  # max / min: NaN anywhere in a window gives NaN
+            outputs = equation.apply(read(_operand(graph, equation)))
+        values.update(zip(equation.outputs, outputs))
+    return {i: jnp.isnan(values[i]).reshape(-1) for i in graph.depends if i in values}
+
+
+def pack(graph: graphs.Graph, operand: int, found: tuple[dict, dict] | None) -> Packing | None:
+    """The packed rows of ``operand``'s identity specification (a greedy colouring of its
+    elements by their pixels), or None where packing is unknown or saves nothing."""
+    if found is None:
+        return None
+    pixel, support = found
+    depends = support[operand]  # [pixels, n]
+    pixels, size = depends.shape
+    used = np.zeros((pixels, 64), bool)  # colours taken at each pixel
+    colour = np.empty(size, np.int64)
+    for neuron in range(size):
+        window = depends[:, neuron]
+        taken = used[window].any(axis=0)
+        free = np.flatnonzero(~taken)
+        if free.size == 0:
+            used = np.concatenate([used, np.zeros_like(used)], axis=1)
+            free = np.array([taken.size])
+        colour[neuron] = free[0]
+        used[window, free[0]] = True
+    rows = int(colour.max()) + 1
+    if rows >= size:
+        return None
+    order = np.argsort(colour, kind="stable")
+    counts = np.bincount(colour, minlength=rows)
+    slots = int(counts.max())
+    members = np.full((rows, slots), size, np.int32)
+    slot = np.arange(size) - np.repeat(np.cumsum(counts) - counts, counts)
+    members[colour[order], slot] = order
+    owner = np.full((rows, pixels), slots, np.int32)
+    for g in range(slots):
+        real = members[:, g] < size
+        for r in np.flatnonzero(real):
+            owner[r, depends[:, members[r, g]]] = g
+    pixel = dict(pixel)
+    pixel[graph.input] = np.arange(pixels, dtype=np.int32)
+    return Packing(members, owner, pixel)
