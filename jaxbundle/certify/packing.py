@@ -15,7 +15,8 @@ Dependencies are found by propagating NaN: one input pixel at a time is NaN (the
 ones, ReLUs the identity) and a value depends on it where it becomes NaN. That is a superset
 of the real dependencies (``0 * NaN`` is NaN), and a consistent one: a value reached from a
 neuron's backward pass depends on a subset of that neuron's pixels. Packing is not used where
-it cannot be established: inputs over :data:`MAX_PIXELS` pixels, values with elements that
+it cannot be established: inputs over :data:`MAX_PIXELS` pixels (or over :data:`MAX_SUPPORT`
+dependencies to keep), values with elements that
 depend on no pixel (explicit padding by constants), parameters or constants that are not known
 when the program is traced, L2 input sets (whose minimum does not split by pixel).
 """
@@ -30,9 +31,10 @@ import numpy as np
 
 from jaxbundle.certify import graph as graphs
 
-__all__ = ["MAX_PIXELS", "Packing", "dependencies", "pack"]
+__all__ = ["MAX_PIXELS", "MAX_SUPPORT", "Packing", "dependencies", "pack"]
 
 MAX_PIXELS = 4096  # largest input (pixels x channels) whose dependencies are traced
+MAX_SUPPORT = 2**27  # largest pixels x activation inputs' elements (booleans kept)
 _CHUNK = 256  # input pixels made NaN at once while tracing dependencies
 
 
@@ -68,19 +70,23 @@ def dependencies(graph: graphs.Graph) -> tuple[dict, dict] | None:
         return None
     targets = {_operand(graph, e) for e in graph.equations
                if e.kind not in (graphs.CONSTANT, graphs.AFFINE)}
+    if pixels * sum(int(np.prod(graph.shapes[t].shape)) for t in targets) > MAX_SUPPORT:
+        return None
     count = min(pixels, _CHUNK)
-    with jax.ensure_compile_time_eval():
-        reached = [jax.vmap(lambda x: _nan_forward(graph, x))(_nan_images(graph, first, count))
-                   for first in range(0, pixels, count)]
-    pixel, support = {}, {}
-    for id_ in reached[0]:
-        found = np.concatenate([np.asarray(r[id_]) for r in reached])[:pixels]  # [pixels, n]
-        if not found.any(axis=0).all():
-            return None
-        pixel[id_] = np.argmax(found, axis=0).astype(np.int32)
-        if id_ in targets:
-            support[id_] = found
-    return pixel, support
+    first, support = {}, {t: [] for t in targets}
+    for start in range(0, pixels, count):
+        with jax.ensure_compile_time_eval():
+            reached = jax.vmap(lambda x: _nan_forward(graph, x))(_nan_images(graph, start, count))
+        for id_, nan in reached.items():
+            nan = np.asarray(nan)[:pixels - start]  # [pixels of this chunk, elements]
+            hit = np.where(nan.any(axis=0), start + np.argmax(nan, axis=0), pixels)
+            first[id_] = np.minimum(first.get(id_, pixels), hit)
+            if id_ in support:
+                support[id_].append(nan)
+    if any(np.any(f == pixels) for f in first.values()):  # an element no pixel reaches
+        return None
+    pixel = {id_: f.astype(np.int32) for id_, f in first.items()}
+    return pixel, {t: np.concatenate(chunks) for t, chunks in support.items()}
 
 
 def _operand(graph, equation):
