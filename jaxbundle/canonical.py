@@ -130,9 +130,33 @@ def _conv_subpixel(lhs, rhs, conv):
 
 def _conv_subpixel_bwd(conv, residuals, g):
     lhs, rhs = residuals
-    dlhs, drhs = _conv_bwd(conv, residuals, g)  # the unused one is compiled away
+    dlhs, drhs = _conv_bwd(conv, residuals, g)  # the unused ones are compiled away
     subpixel = strided_transpose(g, rhs, dict(conv), lhs.shape)
-    return (dlhs if subpixel is None else subpixel.astype(lhs.dtype)), drhs
+    canonical = _kernel_gradient(lhs, g, dict(conv), rhs.shape)
+    return (dlhs if subpixel is None else subpixel.astype(lhs.dtype),
+            drhs if canonical is None else canonical.astype(rhs.dtype))
+
+
+def _kernel_gradient(lhs, g, conv: dict, kernel_shape):
+    """The kernel gradient of a canonical-layout convolution as a canonical convolution (the
+    images' features as its batch, the batch as its features, ``g`` as its kernel dilated by
+    the strides), or None for input dilation or feature groups. JAX's own swaps the dimension
+    numbers instead, a layout XLA:CPU runs on its naive emitter inside loops (second-order
+    certify: CROWN-IBP training's gradient through the backward pass)."""
+    space = lhs.ndim - 2
+    if any(d != 1 for d in conv["lhs_dilation"]) or conv["feature_group_count"] != 1:
+        return None
+    taps, strides, dilation = kernel_shape[:space], conv["window_strides"], conv["rhs_dilation"]
+    grid = g.shape[1:-1]
+    pads = [(lo, (k - 1) * d + (p - 1) * s + 1 - size - lo)
+            for (lo, _), k, d, p, s, size in zip(conv["padding"], taps, dilation, grid, strides,
+                                                   lhs.shape[1:-1])]
+    image = jnp.moveaxis(lhs, (0, -1), (-1, 0))  # [I, *S, N]
+    kernel = jnp.moveaxis(g, 0, -2)  # [*P, N, O]
+    out = jax.lax.conv_general_dilated(
+        image, kernel.astype(image.dtype), dilation, pads, rhs_dilation=strides,
+        dimension_numbers=_canonical_numbers(lhs.ndim), precision=conv["precision"])
+    return jnp.moveaxis(out, 0, -2)  # [*K, I, O]
 
 
 _conv_subpixel.defvjp(_conv_fwd, _conv_subpixel_bwd)
@@ -289,10 +313,11 @@ def strided_transpose(g: jax.Array, rhs: jax.Array, conv: dict, lhs_shape) -> ja
     k = k.reshape(*[d for t, s in zip(taps, strides) for d in (t, s)], features, -1)
     order = (*range(0, 2 * space, 2), 2 * space + 1, *range(1, 2 * space, 2), 2 * space)
     k = jnp.flip(k, tuple(range(0, 2 * space, 2))).transpose(order)  # [t..., O, s..., I]
-    full = jax.lax.conv_general_dilated(
-        g, k.reshape(*taps, k.shape[space], -1).astype(g.dtype), (1,) * space,
-        [(t - 1, t - 1) for t in taps], dimension_numbers=_canonical_numbers(g.ndim),
-        precision=conv["precision"])
+    full = _conv_subpixel(g, k.reshape(*taps, k.shape[space], -1).astype(g.dtype), _freeze(
+        window_strides=(1,) * space, padding=tuple((t - 1, t - 1) for t in taps),
+        lhs_dilation=(1,) * space, rhs_dilation=(1,) * space,
+        dimension_numbers=_canonical_numbers(g.ndim), feature_group_count=1,
+        precision=conv["precision"], preferred_element_type=None))
     n, grid = full.shape[0], full.shape[1:1 + space]
     full = full.reshape(n, *grid, *strides, features)  # [n, q..., s..., I]
     order = (0, *[a for d in range(space) for a in (1 + d, 1 + space + d)], 1 + 2 * space)
