@@ -140,11 +140,12 @@ def _conv_subpixel_bwd(conv, residuals, g):
 def _kernel_gradient(lhs, g, conv: dict, kernel_shape):
     """The kernel gradient of a canonical-layout convolution as a canonical convolution (the
     images' features as its batch, the batch as its features, ``g`` as its kernel dilated by
-    the strides), or None for input dilation or feature groups. JAX's own swaps the dimension
-    numbers instead, a layout XLA:CPU runs on its naive emitter inside loops (second-order
-    certify: CROWN-IBP training's gradient through the backward pass)."""
+    the strides), or None for input dilation, feature groups or an empty output. JAX's own
+    swaps the dimension numbers instead, a layout XLA:CPU runs on its naive emitter inside
+    loops (second-order certify: CROWN-IBP training's gradient through the backward pass)."""
     space = lhs.ndim - 2
-    if any(d != 1 for d in conv["lhs_dilation"]) or conv["feature_group_count"] != 1:
+    if (any(d != 1 for d in conv["lhs_dilation"]) or conv["feature_group_count"] != 1
+            or 0 in g.shape):
         return None
     taps, strides, dilation = kernel_shape[:space], conv["window_strides"], conv["rhs_dilation"]
     grid = g.shape[1:-1]
@@ -306,7 +307,7 @@ def strided_transpose(g: jax.Array, rhs: jax.Array, conv: dict, lhs_shape) -> ja
     if (max(strides) == 1 or any(d != 1 for d in conv["lhs_dilation"])
             or any(d != 1 for d in conv["rhs_dilation"]) or conv["feature_group_count"] != 1
             or any(lo < 0 or hi < 0 for lo, hi in conv["padding"])
-            or features < MIN_SUBPIXEL_FEATURES):
+            or features < MIN_SUBPIXEL_FEATURES or 0 in g.shape):
         return None
     taps = [-(-k // s) for k, s in zip(rhs.shape[:space], strides)]
     k = jnp.pad(rhs, [(0, t * s - w) for t, s, w in zip(taps, strides, rhs.shape)] + [(0, 0)] * 2)
