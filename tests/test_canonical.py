@@ -94,7 +94,8 @@ def test_flax_models_same_value_and_input_gradient(shape):
     assert_same(module.apply, params, x)
 
 
-@settings(max_examples=30, deadline=None)
+@pytest.mark.slow
+@settings(max_examples=20, deadline=None)
 @given(
     layout=st.sampled_from(LAYOUTS),
     size=st.tuples(st.integers(3, 9), st.integers(3, 9)),
