@@ -144,17 +144,15 @@ def pack(graph: graphs.Graph, operand: int, found: tuple[dict, dict] | None) -> 
     rows = int(colour.max()) + 1
     if rows >= size:
         return None
-    order = np.argsort(colour, kind="stable")
+    order = np.argsort(colour, kind="stable")  # the neurons row by row
     counts = np.bincount(colour, minlength=rows)
-    slots = int(counts.max())
-    members = np.full((rows, slots), size, np.int32)
-    slot = np.arange(size) - np.repeat(np.cumsum(counts) - counts, counts)
-    members[colour[order], slot] = order
-    owner = np.full((rows, pixels), slots, np.int32)
-    for g in range(slots):
-        real = members[:, g] < size
-        for r in np.flatnonzero(real):
-            owner[r, depends[:, members[r, g]]] = g
+    slot = np.empty(size, np.int32)  # each neuron's place in its row
+    slot[order] = np.arange(size) - np.repeat(np.cumsum(counts) - counts, counts)
+    members = np.full((rows, int(counts.max())), size, np.int32)
+    members[colour, slot] = np.arange(size)
+    owner = np.full((rows, pixels), members.shape[1], np.int32)
+    at, neuron = np.nonzero(depends)
+    owner[colour[neuron], at] = slot[neuron]
     pixel = dict(pixel)
     pixel[graph.input] = np.arange(pixels, dtype=np.int32)
     return Packing(members, owner, pixel)
