@@ -3,7 +3,9 @@
 :func:`conv_same` computes what ``flax.linen.Conv(padding="SAME")`` computes, with a custom VJP
 whose input gradient is again an NHWC/HWIO convolution (:class:`jaxbundle.models.layers.Conv`
 is the flax module around it). :func:`canonical_convolutions` does the same for any model's
-convolutions, without touching its code (the bundler applies it on CPU).
+convolutions, without touching its code (the bundler applies it on CPU); with ``subpixel=True``
+(certify's backward passes) a strided convolution's input gradient also skips the zeros of the
+dilated form (:func:`strided_transpose`) and its kernel gradient is a canonical convolution.
 """
 
 from __future__ import annotations
@@ -18,7 +20,14 @@ import jax.numpy as jnp
 
 from jaxbundle import sampling
 
-__all__ = ["CanonicalConvolutions", "canonical_convolutions", "conv_same", "fast_gradients"]
+__all__ = [
+    "MIN_SUBPIXEL_FEATURES", "CanonicalConvolutions", "canonical_convolutions", "conv_same",
+    "fast_gradients", "strided_transpose",
+]
+
+# Input features from which the sub-pixel transpose is used (XLA:CPU, SmallCNN's convolutions
+# inside a loop: 16 features 2.3x faster than the dilated form; 1 feature no faster).
+MIN_SUBPIXEL_FEATURES = 8
 
 
 def _same_padding(size: int, kernel: int, stride: int) -> tuple[int, int, int]:
@@ -135,29 +144,6 @@ def _conv_subpixel_bwd(conv, residuals, g):
     canonical = _kernel_gradient(lhs, g, dict(conv), rhs.shape)
     return (dlhs if subpixel is None else subpixel.astype(lhs.dtype),
             drhs if canonical is None else canonical.astype(rhs.dtype))
-
-
-def _kernel_gradient(lhs, g, conv: dict, kernel_shape):
-    """The kernel gradient of a canonical-layout convolution as a canonical convolution (the
-    images' features as its batch, the batch as its features, ``g`` as its kernel dilated by
-    the strides), or None for input dilation, feature groups or an empty output. JAX's own
-    swaps the dimension numbers instead, a layout XLA:CPU runs on its naive emitter inside
-    loops (second-order certify: CROWN-IBP training's gradient through the backward pass)."""
-    space = lhs.ndim - 2
-    if (any(d != 1 for d in conv["lhs_dilation"]) or conv["feature_group_count"] != 1
-            or 0 in g.shape):
-        return None
-    taps, strides, dilation = kernel_shape[:space], conv["window_strides"], conv["rhs_dilation"]
-    grid = g.shape[1:-1]
-    pads = [(lo, (k - 1) * d + (p - 1) * s + 1 - size - lo)
-            for (lo, _), k, d, p, s, size in zip(conv["padding"], taps, dilation, grid, strides,
-                                                   lhs.shape[1:-1])]
-    image = jnp.moveaxis(lhs, (0, -1), (-1, 0))  # [I, *S, N]
-    kernel = jnp.moveaxis(g, 0, -2)  # [*P, N, O]
-    out = jax.lax.conv_general_dilated(
-        image, kernel.astype(image.dtype), dilation, pads, rhs_dilation=strides,
-        dimension_numbers=_canonical_numbers(lhs.ndim), precision=conv["precision"])
-    return jnp.moveaxis(out, 0, -2)  # [*K, I, O]
 
 
 _conv_subpixel.defvjp(_conv_fwd, _conv_subpixel_bwd)
@@ -284,11 +270,6 @@ def fast_gradients(apply_fn: Callable[..., Any]) -> Callable[..., Any]:
     return canonical_convolutions(apply_fn)
 
 
-# Input features from which the sub-pixel transpose is used (XLA:CPU, SmallCNN's convolutions
-# inside a loop: 16 features 2.3x faster than the dilated form; 1 feature no faster).
-MIN_SUBPIXEL_FEATURES = 8
-
-
 def strided_transpose(g: jax.Array, rhs: jax.Array, conv: dict, lhs_shape) -> jax.Array | None:
     """The input gradient of a strided canonical-layout convolution in sub-pixel form, or None
     where that form does not apply (no dilation, one feature group, padding >= 0, at least
@@ -328,3 +309,26 @@ def strided_transpose(g: jax.Array, rhs: jax.Array, conv: dict, lhs_shape) -> ja
     full = jnp.pad(full, [(0, 0)] + [(0, max(0, e - q)) for e, q in zip(ends, full.shape[1:-1])]
                    + [(0, 0)])
     return full[(slice(None), *[slice(a, b) for a, b in zip(starts, ends)], slice(None))]
+
+
+def _kernel_gradient(lhs, g, conv: dict, kernel_shape):
+    """The kernel gradient of a canonical-layout convolution as a canonical convolution (the
+    images' features as its batch, the batch as its features, ``g`` as its kernel dilated by
+    the strides), or None for input dilation, feature groups or an empty output. JAX's own
+    swaps the dimension numbers instead, a layout XLA:CPU runs on its naive emitter inside
+    loops (second-order certify: CROWN-IBP training's gradient through the backward pass)."""
+    space = lhs.ndim - 2
+    if (any(d != 1 for d in conv["lhs_dilation"]) or conv["feature_group_count"] != 1
+            or 0 in g.shape):
+        return None
+    taps, strides, dilation = kernel_shape[:space], conv["window_strides"], conv["rhs_dilation"]
+    grid = g.shape[1:-1]
+    pads = [(lo, (k - 1) * d + (p - 1) * s + 1 - size - lo)
+            for (lo, _), k, d, p, s, size in zip(conv["padding"], taps, dilation, grid, strides,
+                                                   lhs.shape[1:-1])]
+    image = jnp.moveaxis(lhs, (0, -1), (-1, 0))  # [I, *S, N]
+    kernel = jnp.moveaxis(g, 0, -2)  # [*P, N, O]
+    out = jax.lax.conv_general_dilated(
+        image, kernel.astype(image.dtype), dilation, pads, rhs_dilation=strides,
+        dimension_numbers=_canonical_numbers(lhs.ndim), precision=conv["precision"])
+    return jnp.moveaxis(out, 0, -2)  # [*K, I, O]
