@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from harness import machine_facts, parse_run_args, write_results
+from harness import machine_facts, parse_run_args, results_path, write_results
 
 import jaxbundle
 from jaxbundle import bundles, models
@@ -93,12 +93,14 @@ def cost(n: int, repeats: int) -> dict:
     out = {"n": n, "pgd10_floor_seconds": _median_seconds(floor, repeats)}
     # "crown-one-neuron-per-row": CROWN without packing (jaxbundle/certify/packing.py), as
     # before it: traced with packing off (a fresh apply_fn, so not a cached trace).
-    for label in (*bounds.METHODS, "crown-one-neuron-per-row"):
-        method, model = label.split("-one")[0], functools.partial(apply_fn)
+    variants = [(m, m, True) for m in bounds.METHODS] + [
+        ("crown-one-neuron-per-row", "crown", False)]
+    for label, method, packed in variants:
+        model = functools.partial(apply_fn)
         fn = jax.jit(lambda p, v, t, m=method, f=model: bounds.margin_bounds(
             f, p, v, t, eps=0.3, method=m))
         cap = packing.MAX_PIXELS
-        packing.MAX_PIXELS = 0 if label != method else cap
+        packing.MAX_PIXELS = cap if packed else 0
         try:
             seconds = _median_seconds(lambda f=fn: f(params, x, y), repeats)
         finally:
@@ -119,8 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     results = {"machine": machine_facts(), "n": args.n, "models": {}}
     if args.cost_only:
         results["cost"] = cost(args.cost_n, args.repeats)
-        cost_path = args.out.with_name(args.out.name.replace("certify", "certify_cost"))
-        write_results(cost_path, results)
+        if args.out == results_path(None, "certify", args.quick):  # no --out given
+            args.out = results_path(None, "certify_cost", args.quick)
+        write_results(args.out, results)
         return 0
     sample = load_mnist_sample("test", args.n)
     x, y = sample.x, sample.y

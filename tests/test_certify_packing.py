@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxbundle.certify import graph as graphs
-from jaxbundle.certify import packing
+from jaxbundle.certify import packing, sets
 from jaxbundle.certify.bounds import margin_bounds
 from jaxbundle.models.architectures import SmallCNN
 
@@ -64,16 +64,12 @@ def _crown(apply_fn, params, x, y, eps, pack, monkeypatch):
 def _packings(apply_fn, params, shape):
     graph = graphs.trace(apply_fn, params, (1, *shape))
     found = packing.dependencies(graph)
-    return graph, found, [packing.pack(graph, _operand(graph, e), found)
+    return graph, found, [packing.pack(graph, graph.operand(e), found)
                           for e in _activations(graph)]
 
 
 def _activations(graph):
     return [e for e in graph.equations if e.kind not in (graphs.CONSTANT, graphs.AFFINE)]
-
-
-def _operand(graph, equation):
-    return next(i for i in equation.inputs if graph.dependent(i))
 
 
 @pytest.mark.parametrize("net", [_colour, _residual])
@@ -94,7 +90,7 @@ def test_packed_rows_give_the_bounds_of_one_neuron_per_row(net, monkeypatch):
 def test_rows_hold_neurons_with_disjoint_pixels_each_neuron_once():
     apply_fn, params, shape = _colour()
     graph, (pixel, support), packs = _packings(apply_fn, params, shape)
-    operands = [_operand(graph, e) for e in _activations(graph)]
+    operands = [graph.operand(e) for e in _activations(graph)]
     # 3x3 windows 2 apart, then 7x7 windows 4 apart: neighbours share pixels, every other not
     assert [p.members.shape for p in packs] == [(4 * 6, 16), (4 * 8, 4), (4 * 8, 4)]
     for operand, packed in zip(operands, packs):  # ReLU, ReLU, max pooling
@@ -130,3 +126,10 @@ def test_no_packing_where_dependencies_cannot_be_traced():
     assert packing.dependencies(graphs.trace(padded, kernel, (1, 8, 8, 1))) is None
     big = graphs.trace(padded, kernel, (1, 80, 80, 1))  # over MAX_PIXELS
     assert packing.dependencies(big) is None
+
+
+def test_a_split_minimum_is_refused_for_an_l2_set():
+    x = jnp.full((1, 2, 2, 1), 0.5)
+    ball = sets.input_set(x, 0.1, "l2", 0.0, 1.0)
+    with pytest.raises(ValueError, match="only a box"):
+        sets.minimise(jnp.ones((3, 1, 2, 2, 1)), ball, contract=lambda a, v: a.sum())

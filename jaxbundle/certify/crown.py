@@ -25,6 +25,7 @@ convolutions' transposes take the sub-pixel form
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -214,7 +215,7 @@ def _relaxations(graph, state, index):
 
 def _activation(graph, state, index, pair, owners):
     equation = graph.equations[index]
-    (operand,) = [i for i in equation.inputs if graph.dependent(i)]
+    operand = graph.operand(equation)
     below, above = _relaxations(graph, state, index)
 
     def side(a, positive_part, negative_part):
@@ -258,10 +259,12 @@ def linear_bounds(graph: graphs.Graph, state: ibp.Sweep, start: int, target, spe
     for operand, pair in frontier.items():
         region = input_set if operand == graph.input else Box(
             *state.interval(operand).bounds(rounding))
+        split = None if owners is None else functools.partial(_dot, owners=owners,
+                                                              value_id=operand)
         if pair.lower is not None:
-            lower = _plus(lower, _minimise(pair.lower, region, owners, operand))
+            lower = _plus(lower, minimise(pair.lower, region, contract=split))
         if pair.upper is not None:
-            upper = _plus(upper, -_minimise(-pair.upper, region, owners, operand))
+            upper = _plus(upper, -minimise(-pair.upper, region, contract=split))
     constants = constants or Pair(None, None)
 
     def finish(bound, rows, constant):
@@ -278,16 +281,6 @@ def linear_bounds(graph: graphs.Graph, state: ibp.Sweep, start: int, target, spe
             None if high is None else high[0] + high[1])
 
 
-def _minimise(coefficients, region, owners, operand):
-    """:func:`~jaxbundle.certify.sets.minimise`, split by packed neuron (a box: one term per
-    element)."""
-    if owners is None:
-        return minimise(coefficients, region)
-    center, radius = 0.5 * (region.lower + region.upper), 0.5 * (region.upper - region.lower)
-    return (_dot(coefficients, center, owners, operand)
-            - _dot(jnp.abs(coefficients), radius, owners, operand))
-
-
 def refinement(graph: graphs.Graph, input_set: Box | BallInBox, *,
                rounding: float) -> ibp.Refine:
     """CROWN bounds on an activation's input (for :func:`jaxbundle.certify.ibp.sweep`): an
@@ -295,16 +288,13 @@ def refinement(graph: graphs.Graph, input_set: Box | BallInBox, *,
     are disjoint (:mod:`jaxbundle.certify.packing`; box sets), in chunks of rows
     (:data:`CHUNK_ELEMENTS`)."""
     largest = max(int(np.prod(s.shape)) for i, s in graph.shapes.items() if i in graph.depends)
-    found = []  # the dependencies, traced once, at the first activation
+    found = packing.dependencies(graph) if isinstance(input_set, Box) else None
 
     def refine(index, state):
-        equation = graph.equations[index]
-        (operand,) = [i for i in equation.inputs if graph.dependent(i)]
+        operand = graph.operand(graph.equations[index])
         shape = graph.shapes[operand].shape
         size = int(np.prod(shape))
-        if not found:
-            found.append(packing.dependencies(graph) if isinstance(input_set, Box) else None)
-        packed = packing.pack(graph, operand, found[0])
+        packed = packing.pack(graph, operand, found)
         members = (np.arange(size)[:, None] if packed is None else packed.members)
         count, slots = members.shape
         rows = max(1, min(count, CHUNK_ELEMENTS // largest))

@@ -116,6 +116,11 @@ class Graph(NamedTuple):
         """Whether ``operand`` (an id or a :class:`Constant`) depends on ``x``."""
         return isinstance(operand, int) and operand in self.depends
 
+    def operand(self, equation: Equation) -> int:
+        """The one x-dependent input of an activation equation (ReLU, max, min)."""
+        (operand,) = [i for i in equation.inputs if self.dependent(i)]
+        return operand
+
 
 def trace(apply_fn: Callable, params: Any, shape: tuple[int, ...]) -> Graph:
     """The flat program of ``apply_fn(params, x)`` for one example ``x`` of ``shape``

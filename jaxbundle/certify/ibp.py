@@ -119,8 +119,7 @@ def sweep(graph: graphs.Graph, arguments: list, box: Box, *, rounding: float,
         elif equation.kind == graphs.AFFINE:
             intervals.update(zip(equation.outputs, _affine(graph, state, equation)))
         else:
-            (operand,) = [i for i in equation.inputs if graph.dependent(i)]
-            lower, upper = intervals[operand].bounds(rounding)
+            lower, upper = intervals[graph.operand(equation)].bounds(rounding)
             if refine is not None:
                 better_lower, better_upper = refine(index, state)
                 lower, upper = jnp.maximum(lower, better_lower), jnp.minimum(upper, better_upper)

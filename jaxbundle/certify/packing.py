@@ -68,7 +68,7 @@ def dependencies(graph: graphs.Graph) -> tuple[dict, dict] | None:
         i.value for e in graph.equations for i in e.inputs if isinstance(i, graphs.Constant)]
     if pixels > MAX_PIXELS or any(isinstance(c, jax.core.Tracer) for c in constants):
         return None
-    targets = {_operand(graph, e) for e in graph.equations
+    targets = {graph.operand(e) for e in graph.equations
                if e.kind not in (graphs.CONSTANT, graphs.AFFINE)}
     if pixels * sum(int(np.prod(graph.shapes[t].shape)) for t in targets) > MAX_SUPPORT:
         return None
@@ -87,11 +87,6 @@ def dependencies(graph: graphs.Graph) -> tuple[dict, dict] | None:
         return None
     pixel = {id_: f.astype(np.int32) for id_, f in first.items()}
     return pixel, {t: np.concatenate(chunks) for t, chunks in support.items()}
-
-
-def _operand(graph, equation):
-    (operand,) = [i for i in equation.inputs if graph.dependent(i)]
-    return operand
 
 
 def _nan_images(graph, first, count):
@@ -115,9 +110,9 @@ def _nan_forward(graph, x):
             outputs = equation.apply(*(read(i) for i in equation.inputs))
         elif equation.kind == graphs.RELU:  # the identity: every input element can pass
             shape = graph.shapes[equation.outputs[0]].shape
-            outputs = [jnp.broadcast_to(read(_operand(graph, equation)), shape)]
+            outputs = [jnp.broadcast_to(read(graph.operand(equation)), shape)]
         else:  # max / min: NaN anywhere in a window gives NaN
-            outputs = equation.apply(read(_operand(graph, equation)))
+            outputs = equation.apply(read(graph.operand(equation)))
         values.update(zip(equation.outputs, outputs))
     return {i: jnp.isnan(values[i]).reshape(-1) for i in graph.depends if i in values}
 

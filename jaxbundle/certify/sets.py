@@ -8,7 +8,7 @@ numbers ("concretisation"); every value it returns is a lower bound of the true 
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -59,8 +59,12 @@ def hull(input_set: Box | BallInBox) -> Box:
     return Box(input_set.lower, input_set.upper)
 
 
-def minimise(coefficients: jax.Array, input_set: Box | BallInBox) -> jax.Array:
+def minimise(coefficients: jax.Array, input_set: Box | BallInBox, *,
+             contract: Callable | None = None) -> jax.Array:
     """Lower bounds ``[S]`` on ``min_x <A_s, x>`` over the set, ``A`` of shape ``[S, *shape]``.
+
+    ``contract(A, value)`` sums a box's per-element terms (default: the inner product; CROWN's
+    packed rows split it by neuron); only a box's minimum is such a sum.
 
     Box: exact, ``sum(min(A * lower, A * upper))``. L2 ball in a box: the largest of three
     lower bounds: the box's, the ball's alone (``<A, center> - radius |A|_2``) and Lagrangian
@@ -71,9 +75,12 @@ def minimise(coefficients: jax.Array, input_set: Box | BallInBox) -> jax.Array:
     """
     # A.c - |A|.r, not sum(min(A * lower, A * upper)): two contractions, which become matrix
     # products when A is the same for a batch of examples (specifications before any ReLU).
+    if contract is not None and not isinstance(input_set, Box):
+        raise ValueError("only a box's minimum is a sum over elements to contract otherwise")
+    contract = contract or _contract
     center = 0.5 * (input_set.lower + input_set.upper)
     radius = 0.5 * (input_set.upper - input_set.lower)
-    box = _contract(coefficients, center) - _contract(jnp.abs(coefficients), radius)
+    box = contract(coefficients, center) - contract(jnp.abs(coefficients), radius)
     if isinstance(input_set, Box):
         return box
     axes = tuple(range(1, coefficients.ndim))
