@@ -8,9 +8,10 @@ Two parts, on the embedded MNIST test sample (the first ``--n`` images), Linf:
   (``standard``, ``adversarial``: PGD-trained, ``certified``: IBP-trained) at eps 0.3, and
   three one-hidden-layer MLPs (784-64-10, standard, PGD- and IBP-trained here, cached like the
   demo models) at eps 0.1, small enough for the complete mode to decide every example;
-* **the cost**: IBP, CROWN-IBP and CROWN margin bounds of the demo ``SmallCNN`` on
-  ``--cost-n`` images against PGD-10's floor (10 forward+backward passes of the same model on
-  the same images), medians of ``--repeats`` interleaved rounds.
+* **the cost**: IBP, CROWN-IBP and CROWN margin bounds of the two robust demo SmallCNNs
+  (PGD- and IBP-trained) on ``--cost-n`` images at eps 0.3 against PGD-10's floor (10
+  forward+backward passes of the same model on the same images), medians of ``--repeats``
+  rounds; CROWN also with every hidden neuron refined (not only the unstable ones).
 
     python benchmarks/certify.py                # about 20 minutes on 2 CPU cores
     python benchmarks/certify.py --quick        # n = 32, a few minutes
@@ -31,7 +32,7 @@ from harness import machine_facts, parse_run_args, results_path, write_results
 
 import jaxbundle
 from jaxbundle import bundles, models
-from jaxbundle.certify import bounds, packing
+from jaxbundle.certify import bounds, crown
 from jaxbundle.data import load_mnist_sample
 
 MLPS = {
@@ -77,36 +78,40 @@ def _median_seconds(fn, repeats: int) -> float:
 
 
 def cost(n: int, repeats: int) -> dict:
-    """Margin bounds of the demo SmallCNN against PGD-10's forward+backward floor."""
-    apply_fn, params = models.load_or_train(models.ADVERSARIAL)
+    """Margin bounds of the two robust demo SmallCNNs against PGD-10's forward+backward floor
+    on the same model and images, and CROWN with every neuron refined, in the same run."""
     sample = load_mnist_sample("test", n)
     x, y = jnp.asarray(sample.x), jnp.asarray(sample.y)
-    gradient = jax.jit(jax.grad(lambda p, v: jnp.sum(
-        jax.nn.log_softmax(apply_fn(p, v))[jnp.arange(n), y]), argnums=1))
+    out = {"n": n}
+    for name in ("adversarial", "certified"):
+        apply_fn, params = models.load_or_train(models.MODELS[name])
+        gradient = jax.jit(jax.grad(lambda p, v, f=apply_fn: jnp.sum(
+            jax.nn.log_softmax(f(p, v))[jnp.arange(n), y]), argnums=1))
 
-    def floor():
-        v = x
-        for _ in range(10):
-            v = jnp.clip(v + 0.01 * jnp.sign(gradient(params, v)), 0, 1)
-        return v
+        def floor(gradient=gradient, params=params):
+            v = x
+            for _ in range(10):
+                v = jnp.clip(v + 0.01 * jnp.sign(gradient(params, v)), 0, 1)
+            return v
 
-    out = {"n": n, "pgd10_floor_seconds": _median_seconds(floor, repeats)}
-    # "crown-one-neuron-per-row": CROWN without packing (jaxbundle/certify/packing.py), as
-    # before it: traced with packing off (a fresh apply_fn, so not a cached trace).
-    variants = [(m, m, True) for m in bounds.METHODS] + [
-        ("crown-one-neuron-per-row", "crown", False)]
-    for label, method, packed in variants:
-        model = functools.partial(apply_fn)
-        fn = jax.jit(lambda p, v, t, m=method, f=model: bounds.margin_bounds(
-            f, p, v, t, eps=0.3, method=m))
-        cap = packing.MAX_PIXELS
-        packing.MAX_PIXELS = cap if packed else 0
-        try:
-            seconds = _median_seconds(lambda f=fn: f(params, x, y), repeats)
-        finally:
-            packing.MAX_PIXELS = cap
-        out[label] = {"seconds": seconds, "ratio": seconds / out["pgd10_floor_seconds"]}
-        print("cost", label, out[label], flush=True)
+        record = out[name] = {"pgd10_floor_seconds": _median_seconds(floor, repeats)}
+        # "crown-every-neuron": CROWN's bounds on every hidden neuron, not only on those IBP
+        # leaves unstable (crown.refinement's sparse=False), traced with a fresh apply_fn.
+        variants = [(m, m, True) for m in bounds.METHODS] + [("crown-every-neuron", "crown",
+                                                              False)]
+        for label, method, sparse in variants:
+            refinement = crown.refinement
+            crown.refinement = functools.partial(refinement, sparse=sparse)  # noqa: B023
+            fn = jax.jit(lambda p, v, t, m=method, f=functools.partial(apply_fn):
+                         bounds.margin_bounds(f, p, v, t, eps=0.3, method=m))
+            try:
+                seconds = _median_seconds(lambda f=fn: f(params, x, y), repeats)
+                certified = int(np.sum(np.min(np.asarray(fn(params, x, y)), axis=1) > 0))
+            finally:
+                crown.refinement = refinement
+            record[label] = {"seconds": seconds, "certified": certified,
+                             "ratio": seconds / record["pgd10_floor_seconds"]}
+            print("cost", name, label, record[label], flush=True)
     return out
 
 

@@ -11,8 +11,8 @@ Methods (:data:`METHODS`):
 * ``"crown-ibp"``: IBP bounds for every activation's input, CROWN from the output (Zhang et al.
   2020); about the cost of a few forward passes.
 * ``"crown"``: CROWN bounds for every activation's input too (Zhang et al. 2018), intersected
-  with IBP's; one backward pass per activation input neuron (in chunks), the tightest and the
-  most expensive.
+  with IBP's (behind the first activation, on the ReLUs IBP leaves unstable); one backward
+  pass per such neuron (in blocks), the tightest and the most expensive.
 
 The returned bounds are sound for the model's real-number function and for its float32
 evaluation: every bound is widened by a small multiple of float32's rounding (see
@@ -34,12 +34,13 @@ from jaxbundle.certify import sets
 from jaxbundle.certify.graph import UnsupportedPrimitive
 
 __all__ = [
-    "GROUP", "METHODS", "UnsupportedPrimitive", "check_arguments", "logit_bounds", "margin_bounds",
-    "per_example",
+    "AXIS", "GROUP", "METHODS", "UnsupportedPrimitive", "check_arguments", "logit_bounds",
+    "margin_bounds", "per_example",
 ]
 
 METHODS = ("ibp", "crown-ibp", "crown")
 GROUP = 32  # examples bounded at once by the CROWN methods (memory: GROUP x a chunk's rows)
+AXIS = "examples"  # the name of per_example's vmap axis (CROWN decides some things per group)
 
 
 def check_arguments(apply_fn, x, y=None, eps=None, *, method: str = "crown",
@@ -117,21 +118,23 @@ def _margin_bounds(apply_fn, params, x, y, eps, lower, upper, *, norm, method):
 
 
 def per_example(function, examples, method):
-    """``function`` vmapped over the examples; the CROWN methods ``GROUP`` at a time (the batch
-    padded to a multiple of ``GROUP`` with copies of its last example, so that the program has
-    one loop body, not a loop and a remainder)."""
+    """``function`` vmapped over the examples (axis name :data:`AXIS`); the CROWN methods
+    ``GROUP`` at a time (the batch padded to a multiple of ``GROUP`` with copies of its last
+    example, so that the program has one loop body, not a loop and a remainder)."""
     count = jax.tree.leaves(examples)[0].shape[0]
+    each = jax.vmap(function, axis_name=AXIS)
     if method == "ibp" or count <= GROUP:
-        return jax.vmap(function)(examples)
+        return each(examples)
     extra = -count % GROUP
-    padded = jax.tree.map(lambda a: jnp.concatenate([a, jnp.repeat(a[-1:], extra, axis=0)]),
-                          examples)
-    results = jax.lax.map(function, padded, batch_size=GROUP)
-    return jax.tree.map(lambda a: a[:count], results)
+    grouped = jax.tree.map(lambda a: jnp.concatenate([a, jnp.repeat(a[-1:], extra, axis=0)])
+                           .reshape(-1, GROUP, *a.shape[1:]), examples)
+    results = jax.lax.map(each, grouped)
+    return jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:])[:count], results)
 
 
 def _propagate(graph, arguments, region, method, rounding) -> ibp.Sweep:
-    refine = crown.refinement(graph, region, rounding=rounding) if method == "crown" else None
+    refine = None if method != "crown" else crown.refinement(graph, region, rounding=rounding,
+                                                              axis_name=AXIS)
     return ibp.sweep(graph, arguments, sets.hull(region), rounding=rounding, refine=refine)
 
 
@@ -154,8 +157,9 @@ def logit_bounds(apply_fn: Callable[[Any, jax.Array], jax.Array], params: Any, l
                  hi: jax.Array, *, method: str = "ibp") -> tuple[jax.Array, jax.Array]:
     """Sound lower and upper bounds on the logits over the box ``[lo, hi]`` of each example.
 
-    Differentiable in ``params`` (IBP and CROWN-IBP training losses are built on it) and
-    jittable (``apply_fn`` and ``method`` static).
+    Differentiable in ``params`` (IBP and CROWN-IBP training losses are built on it; ``"crown"``
+    in forward mode only: its refinement loops while unstable neurons remain) and jittable
+    (``apply_fn`` and ``method`` static).
 
     Args:
       apply_fn: ``apply_fn(params, x) -> logits [B, K]``.

@@ -37,11 +37,24 @@ from jaxbundle.certify import graph as graphs
 from jaxbundle.certify import ibp, packing
 from jaxbundle.certify.sets import Box, BallInBox, minimise
 
-__all__ = ["CHUNK_ELEMENTS", "Owners", "Pair", "backward", "linear_bounds", "refinement"]
+__all__ = [
+    "CHUNK_ELEMENTS", "SHARED_ELEMENTS", "Owners", "Pair", "backward", "chunk_elements",
+    "linear_bounds", "refinement",
+]
 
-# Rows of an identity specification propagated at once: at most this many coefficients per
-# example for the program's largest value (the memory of one coefficient array).
-CHUNK_ELEMENTS = 2**18
+# Rows of an identity specification carried at once: at most this many coefficients per
+# example for the program's largest value, by backend. On CPU small blocks keep a group's
+# coefficients in a core's cache (CROWN on the demo CNN: 2**13 ran 2.1x faster than 2**18);
+# accelerators want wide ones.
+CHUNK_ELEMENTS = {"cpu": 2**13, "other": 2**18}
+# Largest rows x values carried back to the activations once for a whole group of examples
+# before the blocks go on from there (64 MiB of float32); above it each block goes the whole way.
+SHARED_ELEMENTS = 2**24
+
+
+def chunk_elements() -> int:
+    """:data:`CHUNK_ELEMENTS` for the default backend."""
+    return CHUNK_ELEMENTS.get(jax.default_backend(), CHUNK_ELEMENTS["other"])
 
 
 class Pair(NamedTuple):
@@ -236,7 +249,7 @@ def _activation(graph, state, index, pair, owners):
 
 def linear_bounds(graph: graphs.Graph, state: ibp.Sweep, start: int, target, spec: Pair,
                   input_set: Box | BallInBox, *, rounding: float, elide: bool = False,
-                  owners: Owners | None = None):
+                  owners: Owners | None = None, head: tuple | None = None):
     """Lower and upper bounds ``[S]`` of ``spec @ value(target)`` over the input set.
 
     Args:
@@ -248,12 +261,18 @@ def linear_bounds(graph: graphs.Graph, state: ibp.Sweep, start: int, target, spe
       rounding: relative widening (see :mod:`jaxbundle.certify.ibp`).
       elide: IBP with the specification merged into the last affine equations.
       owners: the rows are packed (:mod:`jaxbundle.certify.packing`; a :class:`Box` set).
+      head: ``(frontier, constants)``, the rows already carried back as far as the
+        activations (:func:`backward` with ``elide``): continue from there.
 
     Returns:
       ``(lower, upper)``, each ``[S]`` (``[S, slots]`` packed) or None.
     """
-    frontier, constants = backward(graph, state, start, {target: spec}, elide=elide,
-                                   owners=owners)
+    if head is None:
+        frontier, constants = backward(graph, state, start, {target: spec}, elide=elide,
+                                       owners=owners)
+    else:
+        frontier, constants = backward(graph, state, start, head[0], owners=owners)
+        constants = _add(head[1], constants)
     magnitude = state.interval(target).magnitude
     lower = upper = None
     for operand, pair in frontier.items():
@@ -281,46 +300,140 @@ def linear_bounds(graph: graphs.Graph, state: ibp.Sweep, start: int, target, spe
             None if high is None else high[0] + high[1])
 
 
-def refinement(graph: graphs.Graph, input_set: Box | BallInBox, *,
-               rounding: float) -> ibp.Refine:
+def refinement(graph: graphs.Graph, input_set: Box | BallInBox, *, rounding: float,
+               sparse: bool = True, axis_name: str | None = None) -> ibp.Refine:
     """CROWN bounds on an activation's input (for :func:`jaxbundle.certify.ibp.sweep`): an
-    identity specification of its elements, several neurons to a row where their input pixels
-    are disjoint (:mod:`jaxbundle.certify.packing`; box sets), in chunks of rows
-    (:data:`CHUNK_ELEMENTS`)."""
+    identity specification of its elements, in blocks of rows (:func:`chunk_elements`),
+    several elements to a row where their input pixels are disjoint
+    (:mod:`jaxbundle.certify.packing`; box sets). The rows are carried back as far as the
+    activations once for a group of examples (that part does not depend on the example),
+    then block by block the rest of the way.
+
+    With ``sparse``, a ReLU behind another activation gets CROWN's bounds only where its IBP
+    bounds leave it unstable (a stable ReLU's relaxation is exact whatever its bounds; the
+    others keep IBP's, which only the IBP part of the final bound,
+    :func:`jaxbundle.certify.bounds.margin_bounds`, reads). Their rows are chosen per example,
+    one neuron each, so the cost follows the example's instability rather than the layer's
+    width; under ``vmap`` with ``axis_name``, a group whose most unstable example would need
+    more rows than the packed layer has computes every packed row instead (the same bounds).
+    """
     largest = max(int(np.prod(s.shape)) for i, s in graph.shapes.items() if i in graph.depends)
     found = packing.dependencies(graph) if isinstance(input_set, Box) else None
+    behind = _behind_activation(graph)
 
     def refine(index, state):
-        operand = graph.operand(graph.equations[index])
-        shape = graph.shapes[operand].shape
-        size = int(np.prod(shape))
+        equation = graph.equations[index]
+        operand = graph.operand(equation)
         packed = packing.pack(graph, operand, found)
-        members = (np.arange(size)[:, None] if packed is None else packed.members)
-        count, slots = members.shape
-        rows = max(1, min(count, CHUNK_ELEMENTS // largest))
-        blocks = -(-count // rows)
-        members = np.pad(members, [(0, blocks * rows - count), (0, 0)], constant_values=size)
-        owner = None if packed is None else jnp.asarray(np.pad(
-            packed.owner, [(0, blocks * rows - count), (0, 0)], constant_values=slots))
+        args = (graph, state, index, operand, input_set, rounding, largest)
+        if not (sparse and equation.kind == graphs.RELU and operand in behind):
+            return _Blocks(*args, packed).bounds()
+        lower, upper = state.interval(operand).bounds(rounding)
+        unstable = (lower < 0) & (upper > 0)
 
-        def block(first):
-            chosen = jax.lax.dynamic_slice_in_dim(jnp.asarray(members), first, rows)
-            spec = jnp.any(chosen[:, :, None] == jnp.arange(size)[None, None], axis=1)
-            spec = spec.astype(jnp.float32).reshape(rows, *shape)
-            owners = None if packed is None else Owners(
-                jax.lax.dynamic_slice_in_dim(owner, first, rows), packed.pixel, slots)
-            return linear_bounds(graph, state, index, operand, Pair(spec, spec), input_set,
-                                 rounding=rounding, owners=owners)
+        def selected():  # each example's unstable neurons, one to a row
+            return _Blocks(*args, None).bounds(unstable.reshape(-1))
 
-        if blocks == 1:
-            lower, upper = block(0)
-        else:
-            lower, upper = jax.lax.map(block, jnp.arange(blocks) * rows)
+        def masked():  # every packed row, CROWN's bounds kept where unstable
+            low, high = _Blocks(*args, packed).bounds()
+            return jnp.where(unstable, low, -jnp.inf), jnp.where(unstable, high, jnp.inf)
 
-        def unpack(bound):  # [rows (x slots)] -> the neurons', in order
-            out = jnp.zeros(size + 1, jnp.float32).at[members.reshape(-1)].set(bound.reshape(-1))
-            return out[:size].reshape(shape)
-
-        return unpack(lower), unpack(upper)
+        if packed is None or axis_name is None:
+            return selected()
+        most = jax.lax.pmax(jnp.sum(unstable), axis_name)  # the same for the whole group
+        return jax.lax.cond(most <= packed.members.shape[0], selected, masked)
 
     return refine
+
+
+class _Blocks:
+    """The rows of an activation input's identity specification, in blocks of ``rows``: one
+    element each, or packed (``packed``)."""
+
+    def __init__(self, graph, state, index, operand, input_set, rounding, largest, packed):
+        self.graph, self.state, self.index, self.operand = graph, state, index, operand
+        self.input_set, self.rounding, self.packed = input_set, rounding, packed
+        self.shape = graph.shapes[operand].shape
+        self.size = int(np.prod(self.shape))
+        members = np.arange(self.size)[:, None] if packed is None else packed.members
+        count = members.shape[0]
+        self.rows = max(1, min(count, chunk_elements() // largest))
+        self.blocks = -(-count // self.rows)
+        pad = [(0, self.blocks * self.rows - count), (0, 0)]
+        self.members = jnp.asarray(np.pad(members, pad, constant_values=self.size))
+        self.owner = None if packed is None else jnp.asarray(
+            np.pad(packed.owner, pad, constant_values=packed.slots))
+        self.head = None
+        every = jnp.arange(self.blocks * self.rows)
+        if self.blocks * self.rows * largest <= SHARED_ELEMENTS:
+            self.head = backward(graph, state, index, {operand: self.spec(every)}, elide=True,
+                                 owners=self.owners(every))
+
+    def owners(self, chosen):
+        packed = self.packed
+        return None if packed is None else Owners(self.owner[chosen], packed.pixel, packed.slots)
+
+    def spec(self, chosen):
+        rows = jnp.any(self.members[chosen][:, :, None] == jnp.arange(self.size)[None, None],
+                       axis=1)
+        rows = rows.astype(jnp.float32).reshape(len(chosen), *self.shape)
+        return Pair(rows, rows)
+
+    def bound(self, chosen):
+        """``(lower, upper)`` of the rows ``chosen``."""
+        head = None if self.head is None else _rows(self.head, chosen)
+        return linear_bounds(self.graph, self.state, self.index, self.operand,
+                             self.spec(chosen), self.input_set, rounding=self.rounding,
+                             owners=self.owners(chosen), head=head)
+
+    def bounds(self, wanted=None):
+        """``(lower, upper)`` of every element, or of the ``wanted`` elements (one to a row,
+        ``[size]``; walked while any is left) and infinite for the others."""
+        size, rows = self.size, self.rows
+        low, high = jnp.full(size + 1, -jnp.inf), jnp.full(size + 1, jnp.inf)
+
+        def scatter(out, chosen, values):
+            return out.at[self.members[chosen].reshape(-1)].set(values.reshape(-1))
+
+        if wanted is None:
+            chosen = jnp.arange(self.blocks * rows).reshape(self.blocks, rows)
+            lower, upper = jax.lax.map(self.bound, chosen)
+            low, high = scatter(low, chosen, lower), scatter(high, chosen, upper)
+        else:
+            wanted = jnp.append(wanted, jnp.zeros(self.blocks * rows - size, bool))
+            order = jnp.argsort(~wanted, stable=True)  # the wanted rows first
+
+            def step(carry):
+                block, low, high = carry
+                chosen = jax.lax.dynamic_slice_in_dim(order, block * rows, rows)
+                lower, upper = self.bound(chosen)
+                keep = wanted[chosen]  # the block's other rows keep IBP's, as in any block
+                return (block + 1, scatter(low, chosen, jnp.where(keep, lower, -jnp.inf)),
+                        scatter(high, chosen, jnp.where(keep, upper, jnp.inf)))
+
+            _, low, high = jax.lax.while_loop(lambda c: c[0] * rows < jnp.sum(wanted), step,
+                                              (0, low, high))
+        return low[:size].reshape(self.shape), high[:size].reshape(self.shape)
+
+
+def _rows(head, chosen):
+    """The rows ``chosen`` of ``(frontier, constants)`` (:func:`backward`'s)."""
+    def take(pair):
+        if pair is None:
+            return None
+        lower = None if pair.lower is None else pair.lower[chosen]
+        return Pair(lower, lower if pair.shared else (
+            None if pair.upper is None else pair.upper[chosen]))
+
+    frontier, constants = head
+    return {i: take(pair) for i, pair in frontier.items()}, take(constants)
+
+
+def _behind_activation(graph: graphs.Graph) -> frozenset:
+    """Ids of the values computed from an activation's output."""
+    behind = set()
+    for equation in graph.equations:
+        if equation.kind not in (graphs.AFFINE, graphs.CONSTANT) or any(
+                i in behind for i in equation.inputs if isinstance(i, int)):
+            behind.update(equation.outputs)
+    return frozenset(behind)

@@ -134,7 +134,7 @@ def _pre_bounds(apply_fn, params, x, eps, lower, upper):
     def one(example):
         image, radius = example
         region = sets.input_set(image[None], radius, "linf", lower, upper)
-        refine = crown.refinement(graph, region, rounding=rounding)
+        refine = crown.refinement(graph, region, rounding=rounding, axis_name=bounds.AXIS)
         state = ibp.sweep(graph, jax.tree.leaves(params), region, rounding=rounding,
                           refine=refine)
         return [state.pre[i] for i in relus]

@@ -1,0 +1,112 @@
+"""CROWN's sparse refinement (jaxbundle.certify.crown.refinement): behind an activation only
+the ReLUs IBP leaves unstable get CROWN's bounds, the others keep IBP's; the result does not
+depend on how the rows are blocked, on whether they are first carried back for the whole
+group, or on which examples share a group. Colour images and flax ``nn.Conv``, a net the
+refinement was not built on."""
+
+from __future__ import annotations
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxbundle.certify import crown, ibp, packing, sets
+from jaxbundle.certify import graph as graphs
+from jaxbundle.certify.bounds import margin_bounds
+
+SHAPE = (16, 16, 3)
+
+
+class _Net(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(4, (3, 3), strides=2)(x - 0.5))
+        x = nn.relu(nn.Conv(6, (3, 3), strides=2, padding="VALID")(x))  # packs: 24 rows
+        x = nn.relu(nn.Dense(12)(x.reshape(x.shape[0], -1)))
+        return nn.Dense(4)(x)
+
+
+def _net():
+    module = _Net()
+    return module.apply, module.init(jax.random.key(0), jnp.zeros((1, *SHAPE)))
+
+
+def _sweep(apply_fn, params, image, eps, sparse):
+    graph = graphs.trace(apply_fn, params, (1, *SHAPE))
+    rounding = ibp.rounding_for(graph)
+    region = sets.input_set(image[None], jnp.float32(eps), "linf", 0.0, 1.0)
+    refine = crown.refinement(graph, region, rounding=rounding, sparse=sparse)
+    state = ibp.sweep(graph, jax.tree.leaves(params), sets.hull(region), rounding=rounding,
+                      refine=refine)
+    return graph, rounding, state
+
+
+def test_only_the_unstable_neurons_behind_an_activation_get_crown():
+    apply_fn, params = _net()
+    image = jax.random.uniform(jax.random.key(1), SHAPE)
+    graph, rounding, sparse = _sweep(apply_fn, params, image, 0.03, True)
+    _, _, every = _sweep(apply_fn, params, image, 0.03, False)
+    first, second = [i for i, e in enumerate(graph.equations) if e.kind == graphs.RELU][:2]
+    # Before any activation every neuron gets CROWN either way.
+    for a, b in zip(sparse.pre[first], every.pre[first]):
+        np.testing.assert_array_equal(a, b)
+    # The second ReLU's IBP bounds are the same in both (from the same first-layer bounds):
+    # where they leave the neuron unstable the bounds are CROWN's, elsewhere IBP's own.
+    ibp_low, ibp_high = sparse.interval(graph.operand(graph.equations[second])).bounds(rounding)
+    unstable = (ibp_low < 0) & (ibp_high > 0)
+    assert 0 < int(unstable.sum()) < unstable.size  # both kinds present: a real test
+    low, high = sparse.pre[second]
+    np.testing.assert_allclose(np.where(unstable, low, ibp_low),
+                               np.where(unstable, every.pre[second][0], ibp_low), rtol=1e-5,
+                               atol=1e-6)  # one neuron a row here, packed rows there
+    np.testing.assert_array_equal(np.where(unstable, ibp_low, low), ibp_low)
+    np.testing.assert_array_equal(np.where(unstable, ibp_high, high), ibp_high)
+    assert np.any(every.pre[second][0] > ibp_low)  # CROWN was tighter on some stable ones
+
+
+def _unstable_counts(apply_fn, params, x, eps, index):
+    counts = []
+    for image, radius in zip(x, eps):
+        graph, rounding, state = _sweep(apply_fn, params, image, radius, True)
+        low, high = state.interval(graph.operand(graph.equations[index])).bounds(rounding)
+        counts.append(int(jnp.sum((low < 0) & (high > 0))))
+    return counts
+
+
+@pytest.mark.parametrize("chunk,shared", [(2**8, 0), (2**9, crown.SHARED_ELEMENTS),
+                                          (2**20, crown.SHARED_ELEMENTS)])
+def test_bounds_do_not_depend_on_blocks_head_or_group(chunk, shared, monkeypatch):
+    apply_fn, params = _net()
+    x = jax.random.uniform(jax.random.key(2), (5, *SHAPE))
+    y = jnp.argmax(apply_fn(params, x), axis=-1)
+    eps = jnp.asarray([0.0, 0.01, 0.02, 0.04, 0.08])  # from no unstable neuron to many
+    reference = np.asarray(margin_bounds(apply_fn, params, x, y, eps=eps, method="crown"))
+    monkeypatch.setattr(crown, "CHUNK_ELEMENTS", {"cpu": chunk, "other": chunk})
+    monkeypatch.setattr(crown, "SHARED_ELEMENTS", shared)
+    fresh = functools.partial(apply_fn)  # a fresh trace under the patched sizes
+    blocked = np.asarray(margin_bounds(fresh, params, x, y, eps=eps, method="crown"))
+    np.testing.assert_allclose(blocked, reference, rtol=1e-5, atol=1e-5)
+    alone = [np.asarray(margin_bounds(fresh, params, x[b:b + 1], y[b:b + 1], eps=eps[b],
+                                      method="crown"))[0] for b in (1, 4)]
+    np.testing.assert_allclose(np.stack(alone), reference[[1, 4]], rtol=1e-5, atol=1e-5)
+
+
+def test_a_group_too_unstable_for_one_neuron_per_row_takes_the_packed_rows():
+    apply_fn, params = _net()
+    graph = graphs.trace(apply_fn, params, (1, *SHAPE))
+    second = [i for i, e in enumerate(graph.equations) if e.kind == graphs.RELU][1]
+    packed = packing.pack(graph, graph.operand(graph.equations[second]),
+                          packing.dependencies(graph))
+    x = jax.random.uniform(jax.random.key(3), (2, *SHAPE))
+    y = jnp.argmax(apply_fn(params, x), axis=-1)
+    eps = jnp.asarray([0.01, 0.1])
+    few, many = _unstable_counts(apply_fn, params, x, eps, second)
+    assert few <= packed.members.shape[0] < many  # alone: one neuron a row; together: packed
+    together = np.asarray(margin_bounds(apply_fn, params, x, y, eps=eps, method="crown"))
+    alone = np.asarray(margin_bounds(apply_fn, params, x[:1], y[:1], eps=eps[:1],
+                                     method="crown"))
+    np.testing.assert_allclose(alone[0], together[0], rtol=1e-5, atol=1e-5)
