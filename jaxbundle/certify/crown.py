@@ -15,12 +15,12 @@ Lower and upper bounds travel together as a :class:`Pair`; while no relaxation h
 once; for an identity specification it does not depend on the example either, so vmapping over
 a group of examples computes it once per group.
 
-Cost: one backward pass per row. CROWN's intermediate bounds take one row per activation input
-element, except that elements whose input pixels are disjoint share a row
-(:mod:`jaxbundle.certify.packing`: a convolution's neurons a receptive field apart), in chunks
-of :data:`CHUNK_ELEMENTS`; each row is as wide as the whole feature maps it crosses. Strided
-convolutions' transposes take the sub-pixel form
-(:func:`jaxbundle.canonical.strided_transpose`).
+Cost: one backward pass per row, each as wide as the whole feature maps it crosses. CROWN's
+intermediate bounds (:func:`refinement`) take a row per ReLU that IBP leaves unstable behind
+the first activation, chosen per example, and a row per element elsewhere, except that
+elements whose input pixels are disjoint share a row (:mod:`jaxbundle.certify.packing`: a
+convolution's neurons a receptive field apart); in blocks of :data:`CHUNK_ELEMENTS`. Strided
+convolutions' transposes take the sub-pixel form (:func:`jaxbundle.canonical.strided_transpose`).
 """
 
 from __future__ import annotations
