@@ -40,7 +40,7 @@ __all__ = [
 
 METHODS = ("ibp", "crown-ibp", "crown")
 GROUP = 32  # examples bounded at once by the CROWN methods (memory: GROUP x a chunk's rows)
-AXIS = "examples"  # the name of per_example's vmap axis (CROWN decides some things per group)
+AXIS = "examples"  # per_example's vmap axis: CROWN picks packed or one-neuron rows per group
 
 
 def check_arguments(apply_fn, x, y=None, eps=None, *, method: str = "crown",
