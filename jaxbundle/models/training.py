@@ -41,7 +41,8 @@ Progress = Callable[[int, int], None]
 #   ADVERSARIAL: 40-50 s; 96.9% clean; on the first 500 test images 85.2% under PGD-20
 #                (Linf 0.3, random start, step 2.5 * eps / 20) and ~80% under PGD-100 x 5.
 #   CERTIFIED:   132 s (under load); 91.7% clean, 78.9% certified at Linf 0.3 (76/255) with
-#                CROWN-IBP and with IBP; on the first 100, 86% certified and 88% bundled robust
+#                CROWN-IBP and with IBP, 79.35% with the complete mode (exact robust accuracy
+#                79.35-79.45%); on the first 100, 86% certified and 88% bundled robust
 #                (benchmarks/certify.py). These need the float32 slack of each layer taken from
 #                its own values (certify/ibp.py): carried through |W| over the layers (~4 per
 #                logit) it trained the same recipe to 85.3% clean, 43.0% certified.
