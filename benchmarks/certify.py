@@ -101,7 +101,7 @@ def cost(n: int, repeats: int) -> dict:
                                                               False)]
         for label, method, sparse in variants:
             refinement = crown.refinement
-            crown.refinement = functools.partial(refinement, sparse=sparse)  # noqa: B023
+            crown.refinement = functools.partial(refinement, sparse=sparse)
             fn = jax.jit(lambda p, v, t, m=method, f=functools.partial(apply_fn):
                          bounds.margin_bounds(f, p, v, t, eps=0.3, method=m))
             try:

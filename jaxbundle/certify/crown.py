@@ -334,14 +334,15 @@ def refinement(graph: graphs.Graph, input_set: Box | BallInBox, *, rounding: flo
         def selected():  # each example's unstable neurons, one to a row
             return _Blocks(*args, None).bounds(unstable.reshape(-1))
 
-        def masked():  # every packed row, CROWN's bounds kept where unstable
-            low, high = _Blocks(*args, packed).bounds()
-            return jnp.where(unstable, low, -jnp.inf), jnp.where(unstable, high, jnp.inf)
-
         if packed is None or axis_name is None:
-            return selected()
-        most = jax.lax.pmax(jnp.sum(unstable), axis_name)  # the same for the whole group
-        return jax.lax.cond(most <= packed.members.shape[0], selected, masked)
+            low, high = selected()
+        else:  # every packed row for a group too unstable for one neuron a row
+            most = jax.lax.pmax(jnp.sum(unstable), axis_name)  # the same for the whole group
+            low, high = jax.lax.cond(most <= packed.members.shape[0], selected,
+                                     lambda: _Blocks(*args, packed).bounds())
+        # CROWN's bounds only where IBP leaves the neuron unstable: the rest keep IBP's, whatever
+        # rows a block or a branch happened to compute.
+        return jnp.where(unstable, low, -jnp.inf), jnp.where(unstable, high, jnp.inf)
 
     return refine
 
@@ -387,8 +388,9 @@ class _Blocks:
                              owners=self.owners(chosen), head=head)
 
     def bounds(self, wanted=None):
-        """``(lower, upper)`` of every element, or of the ``wanted`` elements (one to a row,
-        ``[size]``; walked while any is left) and infinite for the others."""
+        """``(lower, upper)`` of every element, or (one to a row) of at least the ``wanted``
+        elements ``[size]``: the rows holding them first, block by block while any is left;
+        infinite for the elements no block reached."""
         size, rows = self.size, self.rows
         low, high = jnp.full(size + 1, -jnp.inf), jnp.full(size + 1, jnp.inf)
 
@@ -407,9 +409,7 @@ class _Blocks:
                 block, low, high = carry
                 chosen = jax.lax.dynamic_slice_in_dim(order, block * rows, rows)
                 lower, upper = self.bound(chosen)
-                keep = wanted[chosen]  # the block's other rows keep IBP's, as in any block
-                return (block + 1, scatter(low, chosen, jnp.where(keep, lower, -jnp.inf)),
-                        scatter(high, chosen, jnp.where(keep, upper, jnp.inf)))
+                return block + 1, scatter(low, chosen, lower), scatter(high, chosen, upper)
 
             _, low, high = jax.lax.while_loop(lambda c: c[0] * rows < jnp.sum(wanted), step,
                                               (0, low, high))
