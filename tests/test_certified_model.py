@@ -12,7 +12,8 @@ import pytest
 
 from jaxbundle import data, models
 from jaxbundle.certify.bounds import margin_bounds
-from jaxbundle.models import certified
+from jaxbundle.models import certified, training
+from jaxbundle.models.layers import conv_same
 
 TRAIN_EPS = 0.1
 CERTIFY_EPS = 0.05
@@ -24,17 +25,16 @@ TINY_VERIFIED = models.CERTIFIED._replace(**BUDGET)
 TINY_STANDARD = models.STANDARD._replace(**BUDGET)
 
 
-def _certified_accuracy(apply_fn, params, eps):
+def _certified_accuracy(config, eps):
     test = data.load_mnist_sample("test", n=200)
-    bounds = margin_bounds(apply_fn, params, jnp.asarray(test.x), jnp.asarray(test.y), eps=eps,
+    bounds = margin_bounds(models.model_for(config).apply, models.train(config), jnp.asarray(test.x), jnp.asarray(test.y), eps=eps,
                            method="ibp")
     return float(np.mean(np.asarray(bounds).min(axis=-1) > 0))
 
 
 def test_verified_training_certifies_what_natural_training_does_not():
-    module = models.model_for(TINY_VERIFIED)
-    verified = _certified_accuracy(module.apply, models.train(TINY_VERIFIED), CERTIFY_EPS)
-    natural = _certified_accuracy(module.apply, models.train(TINY_STANDARD), CERTIFY_EPS)
+    verified = _certified_accuracy(TINY_VERIFIED, CERTIFY_EPS)
+    natural = _certified_accuracy(TINY_STANDARD, CERTIFY_EPS)
     assert verified >= 0.4 and verified >= natural + 0.3, (verified, natural)
 
 
@@ -100,3 +100,35 @@ def test_verified_configs_round_trip_through_the_cache(tmp_path, monkeypatch):
     monkeypatch.setattr("jaxbundle.models.cache.train", lambda *a, **k: pytest.fail("retrained"))
     _, again = models.load_or_train(config, cache_dir=tmp_path)
     jax.tree.map(np.testing.assert_array_equal, params, again)
+
+
+BN_CONFIG = models.CERTIFIED._replace(n_train=200, epochs=1, batch_size=50, eps=TRAIN_EPS)
+
+
+def test_batch_norm_keeps_the_training_images_statistics():
+    """The stored statistics of the first BatchNorm are the mean and variance of the first
+    convolution's outputs over every training image and position, under the final weights."""
+    assert BN_CONFIG.arch == "small_cnn_bn"
+    train = data.load_mnist_sample("train", n=BN_CONFIG.n_train)
+    variables = models.train(BN_CONFIG, train)
+    conv = variables["params"]["conv1"]
+    out = conv_same(jnp.asarray(train.x), conv["kernel"], 2) + conv["bias"][None, None, None]
+    stored = variables["batch_stats"]["norm1"]
+    np.testing.assert_allclose(stored["mean"], out.mean(axis=(0, 1, 2)), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(stored["var"], out.var(axis=(0, 1, 2)), rtol=1e-4, atol=1e-6)
+    assert np.all(np.asarray(variables["batch_stats"]["norm3"]["var"]) > 0)
+
+
+def test_the_loss_sees_what_training_mode_computes():
+    """Inference mode on a batch's own statistics (what the verified loss bounds) gives the
+    logits of a training-mode pass on that batch, not those of the stored statistics."""
+    module = models.model_for(BN_CONFIG)
+    x = jnp.asarray(data.load_mnist_sample("train", n=16).x)
+    variables = module.init(jax.random.key(0), x)
+    variables = {**variables, "params": certified.ibp_initialization(variables["params"],
+                                                                      jax.random.key(1))}
+    state = {"batch_stats": variables["batch_stats"]}
+    trained, _ = module.apply(variables, x, train=True, mutable=["batch_stats"])
+    batch = training._batch_variables(module, variables["params"], state, x)
+    np.testing.assert_allclose(module.apply(batch, x), trained, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(module.apply(variables, x), trained, atol=1e-3)

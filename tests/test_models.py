@@ -98,7 +98,7 @@ def test_registry_and_defaults():
                              "adversarial-linen": models.ADVERSARIAL_LINEN,
                              "certified": models.CERTIFIED}
     assert models.CERTIFIED.certified == "ibp" and not models.CERTIFIED.adversarial
-    assert models.model_name(models.CERTIFIED) == "small_cnn-ibp"
+    assert models.model_name(models.CERTIFIED) == "small_cnn_bn-ibp"
     assert not models.STANDARD.adversarial
     assert models.ADVERSARIAL.adversarial
     assert models.ADVERSARIAL.eps == pytest.approx(0.3)

@@ -21,8 +21,10 @@ class SmallCNN(nn.Module):
     """A small convolutional network for 28x28 grey-scale images.
 
     Two strided ``kernel x kernel`` convolutions (28 -> 14 -> 7), one hidden dense layer and
-    a linear read-out, all with ReLU. No batch norm or dropout, so ``apply`` is a pure function of
-    ``(params, x)``.
+    a linear read-out, all with ReLU; with ``batch_norm``, a BatchNorm before each ReLU (the
+    certified demo model's architecture, ``"small_cnn_bn"``). No dropout, so ``apply`` is a pure
+    function of ``(variables, x)``: BatchNorm normalises by its stored statistics unless called
+    with ``train=True`` (see :func:`jaxbundle.models.training.train`).
 
     Attributes:
       num_classes: number of output logits.
@@ -30,6 +32,7 @@ class SmallCNN(nn.Module):
       conv2: channels of the second convolution.
       hidden: width of the hidden dense layer.
       kernel: side of the square convolution kernels.
+      batch_norm: a BatchNorm before each ReLU.
     """
 
     num_classes: int = 10
@@ -37,21 +40,30 @@ class SmallCNN(nn.Module):
     conv2: int = 32
     hidden: int = 100
     kernel: int = 5
+    batch_norm: bool = False
 
     @nn.compact
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, train: bool = False) -> jax.Array:
         """Computes logits.
 
         Args:
           x: images ``[B, H, W, C]``, float32 in ``[0, 1]``.
+          train: BatchNorm normalises by this batch's statistics and stores them in place of
+            the old ones (momentum 0: the training loop computes the running statistics);
+            nothing without ``batch_norm``.
 
         Returns:
           Logits ``[B, num_classes]``, float32.
         """
-        x = nn.relu(Conv(self.conv1, self.kernel, stride=2, name="conv1")(x))
-        x = nn.relu(Conv(self.conv2, self.kernel, stride=2, name="conv2")(x))
+        def relu(h: jax.Array, name: str) -> jax.Array:
+            if self.batch_norm:
+                h = nn.BatchNorm(use_running_average=not train, momentum=0.0, name=name)(h)
+            return nn.relu(h)
+
+        x = relu(Conv(self.conv1, self.kernel, stride=2, name="conv1")(x), "norm1")
+        x = relu(Conv(self.conv2, self.kernel, stride=2, name="conv2")(x), "norm2")
         x = x.reshape(x.shape[0], -1)
-        x = nn.relu(nn.Dense(self.hidden, name="hidden")(x))
+        x = relu(nn.Dense(self.hidden, name="hidden")(x), "norm3")
         return nn.Dense(self.num_classes, name="logits")(x)
 
 
@@ -105,6 +117,7 @@ class MLP(nn.Module):
 
 ARCHITECTURES: dict[str, Callable[..., nn.Module]] = {
     "small_cnn": SmallCNN,
+    "small_cnn_bn": functools.partial(SmallCNN, batch_norm=True),
     "linen_cnn": LinenCNN,
     "mlp": MLP,
 }

@@ -22,7 +22,9 @@ to ``config.eps``): ``kappa`` goes linearly from ``config.kappa_start`` to
 Verified training starts from the IBP initialisation of Shi et al. (2021, "Fast Certified
 Robust Training with Short Warmup"): every kernel ``~ N(0, 2 pi / fan_in**2)``, which keeps
 interval widths about constant from layer to layer at the start, so the bounds are not
-useless before training has begun to tighten them.
+useless before training has begun to tighten them. A model with BatchNorm (the demo model's)
+is bounded, as in that paper, with each batch's own clean statistics as a fixed affine map
+(:func:`jaxbundle.models.training.train`), and certified later with the training images'.
 """
 
 from __future__ import annotations

@@ -58,19 +58,23 @@ ADVERSARIAL = TrainConfig(
 )
 # The second benchmark model: flax nn.Conv layers, another seed, the same adversarial recipe.
 ADVERSARIAL_LINEN = ADVERSARIAL._replace(arch="linen_cnn", seed=1)
-# IBP training of SmallCNN at eps 0.35, a little above the 0.3 it is certified at (Gowal et
-# al. train at 0.4 for 0.3; 0.35 gave as many certificates and a higher clean accuracy), on
-# the verified loss alone (kappa 0: the natural loss cost certificates), eps ramped over the
-# first 40% of the steps.
+# IBP training at eps 0.35, a little above the 0.3 it is certified at (Gowal et al. train at
+# 0.4 for 0.3; 0.4 was no better here), eps ramped over the first 40% of the steps, of SmallCNN
+# with a BatchNorm before each ReLU (Shi et al. 2021 find it crucial for IBP training: it keeps
+# the ReLUs balanced between on and off), 30% natural loss (kappa 0.3; CTBench's MNIST
+# recipe). Chosen on train[9000:] (trained on train[:9000], seeds 0-2, certified by IBP at
+# 76/255): BatchNorm 86.6% mean against 82.7% without (paired +5.4, -0.8, +7.1 points);
+# kappa 0.3 87.4% against 0.0's 86.6% (+0.1, +1.1, +1.0), with a higher clean accuracy.
 CERTIFIED = TrainConfig(
+    arch="small_cnn_bn",
     certified="ibp",
     epochs=60,
     batch_size=50,
     learning_rate=2e-3,
     eps=0.35,
     eps_warmup=0.4,
-    kappa_start=0.0,
-    kappa_end=0.0,
+    kappa_start=0.3,
+    kappa_end=0.3,
 )
 
 
@@ -167,6 +171,7 @@ _OPTIMIZER = optax.scale_by_adam()  # Adam moments; the (scheduled) learning rat
 @functools.partial(jax.jit, static_argnames=("module", "spec"))
 def _train_step(
     params: Params,
+    state: Params,
     opt_state: Any,
     x: jax.Array,
     y: jax.Array,
@@ -180,6 +185,12 @@ def _train_step(
     """One Adam step on clean or PGD-perturbed ``(x, y)``, or on the verified loss over the
     eps ball around them; returns ``(params, state, loss)``.
 
+    ``params`` are the trained variables (``variables["params"]``), ``state`` the others (a
+    BatchNorm's ``batch_stats``; ``{}`` for most models). A model with batch statistics is
+    trained in inference mode on the statistics of the batch the loss is computed on (the clean
+    batch for the verified loss, so its bounds hold for a fixed affine normalisation, as in Shi
+    et al. 2021), differentiated through them.
+
     Everything that changes during training (params, optimizer state, batch, PRNG key, eps
     and the loss's weights in ``mix``, learning rate) is a traced argument, so one compilation
     serves a whole run and every run with the same ``module`` and ``spec``.
@@ -188,21 +199,60 @@ def _train_step(
     eps = mix.eps
     if spec.adversarial:
         step_size = eps * spec.pgd_step_ratio
-        x_adv = pgd_linf(apply_fn, params, x, y, key, eps, step_size, spec.pgd_steps)
+        x_adv = pgd_linf(apply_fn, {**state, "params": params}, x, y, key, eps, step_size,
+                         spec.pgd_steps)
         if spec.n_clean > 0:
             keep = (jnp.arange(x.shape[0]) < spec.n_clean).reshape((-1,) + (1,) * (x.ndim - 1))
             x_adv = jnp.where(keep, x, x_adv)
         x = x_adv
 
     def loss_fn(p: Params) -> jax.Array:
+        variables = _batch_variables(module, p, state, x)
         if spec.certified is not None:
-            return certified.verified_loss(apply_fn, p, x, y, mix, method=spec.certified)
-        return jnp.mean(losses.cross_entropy(apply_fn(p, x), y))
+            return certified.verified_loss(apply_fn, variables, x, y, mix,
+                                           method=spec.certified)
+        return jnp.mean(losses.cross_entropy(apply_fn(variables, x), y))
 
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt_state = _OPTIMIZER.update(grads, opt_state, params)
     updates = jax.tree_util.tree_map(lambda u: -lr * u, updates)
     return optax.apply_updates(params, updates), opt_state, loss
+
+
+def _batch_variables(module: nn.Module, params: Params, state: Params, x: jax.Array) -> Params:
+    """The variables that evaluate ``module`` on ``x`` in inference mode as training mode
+    would: ``params`` with ``x``'s own batch statistics (the stored ones replaced by a
+    ``train=True`` pass, whose BatchNorms have momentum 0), or ``params`` alone without any."""
+    if not state:
+        return {"params": params}
+    _, batch = module.apply({**state, "params": params}, x, train=True, mutable=list(state))
+    return {**batch, "params": params}
+
+
+def _population_statistics(module: nn.Module, params: Params, state: Params, x: np.ndarray,
+                           batch_size: int) -> Params:
+    """A BatchNorm model's running statistics: the mean and (biased) variance of every
+    normalised feature over the training images ``x`` under the final ``params``, from
+    ``train=True`` passes over batches of ``batch_size`` (the last partial one dropped)."""
+    if not state:
+        return state
+    statistics = jax.jit(lambda xb: _batch_variables(module, params, state, xb)["batch_stats"])
+    count = max(x.shape[0] // batch_size, 1)
+    means, squares = [], []
+    for b in range(count):
+        batch = statistics(x[b * batch_size : (b + 1) * batch_size])
+        means.append(jax.tree.map(lambda s: s["mean"], batch, is_leaf=_is_statistic))
+        squares.append(jax.tree.map(lambda s: s["var"] + s["mean"] ** 2, batch,
+                                    is_leaf=_is_statistic))
+    mean = jax.tree.map(lambda *m: sum(m) / count, *means)
+    square = jax.tree.map(lambda *m: sum(m) / count, *squares)
+    pooled = jax.tree.map(lambda m, s: {"mean": m, "var": jnp.maximum(s - m**2, 0.0)}, mean,
+                          square)
+    return {**state, "batch_stats": pooled}
+
+
+def _is_statistic(node: Any) -> bool:
+    return isinstance(node, dict) and set(node) == {"mean", "var"}
 
 
 def _step_spec(config: TrainConfig, batch_size: int) -> _StepSpec:
@@ -258,7 +308,9 @@ def train(
       progress: called as ``progress(step, total_steps)`` after every optimizer step.
 
     Returns:
-      The trained flax variables ``{"params": ...}``, usable as ``module.apply(params, x)``.
+      The trained flax variables ``{"params": ...}`` (and ``"batch_stats"`` for a model with
+      BatchNorm: the training images' statistics under the final weights), usable as
+      ``module.apply(variables, x)``.
     """
     x, y = _training_arrays(config, dataset)
     n = x.shape[0]
@@ -272,7 +324,9 @@ def train(
     module = model_for(config)
     key = jax.random.PRNGKey(config.seed)
     init_key, pgd_key = jax.random.split(key)
-    params = module.init(init_key, jnp.zeros((1,) + x.shape[1:], jnp.float32))
+    variables = module.init(init_key, jnp.zeros((1,) + x.shape[1:], jnp.float32))
+    params = variables["params"]
+    state = {k: v for k, v in variables.items() if k != "params"}
     if config.certified is not None:
         params = certified.ibp_initialization(params, jax.random.fold_in(init_key, 1))
     opt_state = _OPTIMIZER.init(params)
@@ -285,6 +339,7 @@ def train(
             idx = order[b * batch_size : (b + 1) * batch_size]
             params, opt_state, _ = _train_step(
                 params,
+                state,
                 opt_state,
                 x[idx],
                 y[idx],
@@ -297,7 +352,8 @@ def train(
             step += 1
             if progress is not None:
                 progress(step, total_steps)
-    return jax.block_until_ready(params)
+    state = _population_statistics(module, params, state, x, batch_size)
+    return jax.block_until_ready({**state, "params": params})
 
 
 def accuracy(
