@@ -27,8 +27,8 @@ TINY_STANDARD = models.STANDARD._replace(**BUDGET)
 
 def _certified_accuracy(config, eps):
     test = data.load_mnist_sample("test", n=200)
-    bounds = margin_bounds(models.model_for(config).apply, models.train(config), jnp.asarray(test.x), jnp.asarray(test.y), eps=eps,
-                           method="ibp")
+    bounds = margin_bounds(models.model_for(config).apply, models.train(config),
+                           jnp.asarray(test.x), jnp.asarray(test.y), eps=eps, method="ibp")
     return float(np.mean(np.asarray(bounds).min(axis=-1) > 0))
 
 

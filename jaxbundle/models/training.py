@@ -40,12 +40,12 @@ Progress = Callable[[int, int], None]
 #   STANDARD:    16-25 s; 97.8% clean on the 2,000 embedded test images, 0% under PGD-20.
 #   ADVERSARIAL: 40-50 s; 96.9% clean; on the first 500 test images 85.2% under PGD-20
 #                (Linf 0.3, random start, step 2.5 * eps / 20) and ~80% under PGD-100 x 5.
-#   CERTIFIED:   132 s (under load); 91.7% clean, 78.9% certified at Linf 0.3 (76/255) with
-#                CROWN-IBP and with IBP, 79.35% with the complete mode (exact robust accuracy
-#                79.35-79.45%); on the first 100, 86% certified and 88% bundled robust
-#                (benchmarks/certify.py). These need the float32 slack of each layer taken from
-#                its own values (certify/ibp.py): carried through |W| over the layers (~4 per
-#                logit) it trained the same recipe to 85.3% clean, 43.0% certified.
+#   CERTIFIED:   122 s; 94.1% clean, 83.65% certified at Linf 0.3 (76/255) by IBP, CROWN-IBP
+#                and CROWN, 84.65% by the complete mode, 84.75% bundled robust (so its exact
+#                robust accuracy is 84.65-84.75%). These need the float32 slack of each layer
+#                taken from its own values (certify/ibp.py): carried through |W| over the
+#                layers (~4 per logit) it trained an earlier recipe to 85.3% clean, 43.0%
+#                certified.
 STANDARD = TrainConfig(adversarial=False, epochs=8, learning_rate=5e-3)
 ADVERSARIAL = TrainConfig(
     adversarial=True,
