@@ -183,13 +183,13 @@ def _train_step(
     spec: _StepSpec,
 ) -> tuple[Params, Any, jax.Array]:
     """One Adam step on clean or PGD-perturbed ``(x, y)``, or on the verified loss over the
-    eps ball around them; returns ``(params, state, loss)``.
+    eps ball around them; returns ``(params, opt_state, loss)``.
 
     ``params`` are the trained variables (``variables["params"]``), ``state`` the others (a
     BatchNorm's ``batch_stats``; ``{}`` for most models). A model with batch statistics is
-    trained in inference mode on the statistics of the batch the loss is computed on (the clean
-    batch for the verified loss, so its bounds hold for a fixed affine normalisation, as in Shi
-    et al. 2021), differentiated through them.
+    trained in inference mode on the clean batch's own statistics, differentiated through them
+    (:func:`_batch_variables`): the PGD attack and every loss see that one model, and the
+    verified loss's bounds hold for a fixed affine normalisation, as in Shi et al. 2021.
 
     Everything that changes during training (params, optimizer state, batch, PRNG key, eps
     and the loss's weights in ``mix``, learning rate) is a traced argument, so one compilation
@@ -197,21 +197,21 @@ def _train_step(
     """
     apply_fn = module.apply
     eps = mix.eps
+    inputs = x
     if spec.adversarial:
         step_size = eps * spec.pgd_step_ratio
-        x_adv = pgd_linf(apply_fn, {**state, "params": params}, x, y, key, eps, step_size,
-                         spec.pgd_steps)
+        inputs = pgd_linf(apply_fn, _batch_variables(module, params, state, x), x, y, key, eps,
+                          step_size, spec.pgd_steps)
         if spec.n_clean > 0:
             keep = (jnp.arange(x.shape[0]) < spec.n_clean).reshape((-1,) + (1,) * (x.ndim - 1))
-            x_adv = jnp.where(keep, x, x_adv)
-        x = x_adv
+            inputs = jnp.where(keep, x, inputs)
 
     def loss_fn(p: Params) -> jax.Array:
         variables = _batch_variables(module, p, state, x)
         if spec.certified is not None:
             return certified.verified_loss(apply_fn, variables, x, y, mix,
                                            method=spec.certified)
-        return jnp.mean(losses.cross_entropy(apply_fn(variables, x), y))
+        return jnp.mean(losses.cross_entropy(apply_fn(variables, inputs), y))
 
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt_state = _OPTIMIZER.update(grads, opt_state, params)
@@ -237,22 +237,18 @@ def _population_statistics(module: nn.Module, params: Params, state: Params, x: 
     if not state:
         return state
     statistics = jax.jit(lambda xb: _batch_variables(module, params, state, xb)["batch_stats"])
-    count = max(x.shape[0] // batch_size, 1)
-    means, squares = [], []
-    for b in range(count):
-        batch = statistics(x[b * batch_size : (b + 1) * batch_size])
-        means.append(jax.tree.map(lambda s: s["mean"], batch, is_leaf=_is_statistic))
-        squares.append(jax.tree.map(lambda s: s["var"] + s["mean"] ** 2, batch,
-                                    is_leaf=_is_statistic))
-    mean = jax.tree.map(lambda *m: sum(m) / count, *means)
-    square = jax.tree.map(lambda *m: sum(m) / count, *squares)
-    pooled = jax.tree.map(lambda m, s: {"mean": m, "var": jnp.maximum(s - m**2, 0.0)}, mean,
-                          square)
+    batches = [statistics(x[start : start + batch_size])
+               for start in range(0, x.shape[0] - batch_size + 1, batch_size)]
+    stacked = jax.tree.map(lambda *values: jnp.stack(values), *batches)
+
+    def pool(feature: dict) -> dict:
+        mean = feature["mean"].mean(axis=0)
+        square = (feature["var"] + feature["mean"] ** 2).mean(axis=0)
+        return {"mean": mean, "var": jnp.maximum(square - mean**2, 0.0)}
+
+    pooled = jax.tree.map(pool, stacked,
+                          is_leaf=lambda node: isinstance(node, dict) and "mean" in node)
     return {**state, "batch_stats": pooled}
-
-
-def _is_statistic(node: Any) -> bool:
-    return isinstance(node, dict) and set(node) == {"mean", "var"}
 
 
 def _step_spec(config: TrainConfig, batch_size: int) -> _StepSpec:
