@@ -137,9 +137,11 @@ def test_training_beats_chance(train_set, tiny_params):
     assert after > 0.6 > before + 0.2
 
 
-def test_adversarial_training_runs_and_learns(train_set):
-    params = models.train(TINY_ADV, train_set)
-    module = models.model_for(TINY_ADV)
+@pytest.mark.parametrize("arch", ["small_cnn", "small_cnn_bn"])
+def test_adversarial_training_runs_and_learns(train_set, arch):
+    config = TINY_ADV._replace(arch=arch)  # with BatchNorm: PGD on the clean batch's statistics
+    params = models.train(config, train_set)
+    module = models.model_for(config)
     for leaf in jax.tree_util.tree_leaves(params):
         assert np.all(np.isfinite(np.asarray(leaf)))
     assert models.accuracy(module.apply, params, train_set.x, train_set.y) > 0.3
