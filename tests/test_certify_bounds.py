@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxbundle.certify import bounds, crown, ibp, sets
+from jaxbundle.certify import graph as graphs
 from jaxbundle.certify.bounds import METHODS, UnsupportedPrimitive, logit_bounds, margin_bounds
 from jaxbundle.models.architectures import LinenCNN, SmallCNN
 
@@ -130,6 +131,63 @@ def test_l2_minimum_over_a_ball_in_a_box_matches_a_solver():
             ).fun
             assert value <= best + 1e-5, trial  # a lower bound
             assert value >= best - 1e-3, trial  # and a tight one (the dual is exact)
+
+
+def _first_relu_input(pre_activation, params, x, eps):
+    """IBP's bounds on the first ReLU's input over the L2 ball of ``x`` (no box), and the
+    exact ones: ``c -+ eps |J_i|_2`` from the Jacobian's rows."""
+    def apply(p, v):
+        return jax.nn.relu(pre_activation(p, v)).reshape(1, -1)
+
+    graph = graphs.trace(apply, params, x.shape)
+    region = sets.input_set(x, jnp.float32(eps), "l2", -jnp.inf, jnp.inf)
+    state = ibp.sweep(graph, jax.tree.leaves(params), region, rounding=0.0)
+    (lower, upper), = state.pre.values()
+    center = pre_activation(params, x).reshape(-1)
+    rows = jax.jacobian(lambda v: pre_activation(params, v).reshape(-1))(x).reshape(
+        center.size, -1)
+    reach = eps * jnp.linalg.norm(rows, axis=1)
+    return (lower.reshape(-1), upper.reshape(-1)), (center - reach, center + reach)
+
+
+def test_l2_ibp_bounds_a_first_layer_by_its_rows_norms_exactly():
+    """Normalisation, a padded strided convolution and a bias: IBP on an L2 ball bounds the
+    first ReLU's input by the ball itself (each row's norm, fewer taps at the borders), not by
+    the ball's Linf hull (about 7 times wider here)."""
+    kernel = jax.random.normal(jax.random.key(0), (3, 3, 2, 4))
+
+    def pre(p, v):
+        v = (v - 0.5) / jnp.array([0.25, 0.5])[None, None, None]
+        out = jax.lax.conv_general_dilated(v, p["k"], (2, 2), "SAME",
+                                           dimension_numbers=("NHWC", "HWIO", "NHWC"))
+        return out + p["b"][None, None, None]
+
+    params = {"k": kernel, "b": jnp.arange(4.0)}
+    x = _images(jax.random.key(1), 1, shape=(5, 5, 2))
+    (lower, upper), (low, high) = _first_relu_input(pre, params, x, 0.3)
+    np.testing.assert_allclose(lower, low, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(upper, high, rtol=1e-5, atol=1e-5)
+
+
+def test_l2_ibp_sums_repeated_pixels_by_the_triangle_inequality():
+    """A pixel used twice (broadcast, or the input added to itself) has a row along one
+    direction, not two orthogonal ones: the root of the squared terms (sqrt 2 |w|) would be
+    below the truth (2 |w|). The bounds must contain it (they are the hull's here)."""
+    w = jax.random.normal(jax.random.key(2), (32, 6))
+    twice = jnp.concatenate([w, w])  # the same weights on both copies of every pixel
+
+    def broadcast(p, v):
+        flat = v.reshape(1, -1)
+        return jnp.broadcast_to(flat[:, None], (1, 2, 32)).reshape(1, -1) @ p
+
+    def doubled(p, v):
+        flat = v.reshape(1, -1)
+        return (flat + flat) @ p[:32]
+
+    x = _images(jax.random.key(3), 1)
+    for pre in (broadcast, doubled):
+        (lower, upper), (low, high) = _first_relu_input(pre, twice, x, 0.2)
+        assert jnp.all(lower <= low + 1e-5) and jnp.all(upper >= high - 1e-5), pre.__name__
 
 
 # ----------------------------------------------------------------------------------------

@@ -82,7 +82,8 @@ def margin_bounds(apply_fn: Callable[[Any, jax.Array], jax.Array], params: Any, 
       x: images ``[B, H, W, C]``, float32, inside ``[lower, upper]``.
       y: true labels ``[B]``, integers.
       eps: radius, a scalar or ``[B]``. Negative radii give NaN rows (an empty set).
-      norm: ``"linf"`` or ``"l2"`` (IBP uses the L2 set's Linf hull; CROWN the set itself).
+      norm: ``"linf"`` or ``"l2"`` (IBP uses the L2 set's Linf hull and, up to the first
+        activation, the ball itself; CROWN the set itself).
       method: one of :data:`METHODS`.
       lower, upper: the data's box (scalars, or arrays broadcastable to one image).
 
@@ -135,7 +136,7 @@ def per_example(function, examples, method):
 def _propagate(graph, arguments, region, method, rounding) -> ibp.Sweep:
     refine = None if method != "crown" else crown.refinement(graph, region, rounding=rounding,
                                                               axis_name=AXIS)
-    return ibp.sweep(graph, arguments, sets.hull(region), rounding=rounding, refine=refine)
+    return ibp.sweep(graph, arguments, region, rounding=rounding, refine=refine)
 
 
 def _spec_lower_bounds(graph, arguments, region, spec, method, rounding):

@@ -6,6 +6,15 @@ by the equation itself and the radius by its absolute value ``|op|`` (the same e
 absolute weights; sums for differences; additive constants dropped). ReLU and max pooling are
 monotone, so they map the interval's ends.
 
+On an L2 set the sweep also carries, up to the first activation, the ball's own reach
+(:class:`Ball`): a value affine in the input is ``center + A (x - x0)``, and over
+``|x - x0|_2 <= eps`` each element lies within ``eps |A_i|_2`` of its center. A linear layer on
+the input itself (scaled, reshaped, sliced: rows along distinct pixels) gets that norm exactly,
+the root of its squared weights applied to the squared radii; after it, sums follow the
+triangle inequality like IBP's radii. The activation's input is bounded by the tighter of the
+two (the first layer's bound of Gowal et al.'s L2 IBP and auto_LiRPA's; the Linf hull alone
+leaves L2 certification by IBP and CROWN-IBP near nothing).
+
 Float32 rounding. Next to each interval the sweep carries a magnitude ``m``: the same
 propagation with every fixed operand replaced by its absolute value, restarted at every
 activation from the bounds of its output, so that ``m`` bounds the sum of the absolute values of
@@ -25,11 +34,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxbundle.certify import graph as graphs
-from jaxbundle.certify.sets import Box
+from jaxbundle.certify.sets import BallInBox, Box, hull
 
 __all__ = [
-    "ROUNDING_PER_EQUATION", "Interval", "Sweep", "absolute", "interval_of", "rounding_for",
-    "sweep",
+    "ROUNDING_PER_EQUATION", "Ball", "Interval", "Sweep", "absolute", "interval_of",
+    "rounding_for", "sweep",
 ]
 
 # Widening per x-dependent equation, relative to the magnitude: 2**7 ulps of float32. Sums of n
@@ -58,6 +67,19 @@ class Interval(NamedTuple):
         return self.center - self.radius - slack, self.center + self.radius + slack
 
 
+class Ball(NamedTuple):
+    """Over an L2 ball, ``|value - center| <= radius`` elementwise, for a value affine in the
+    input with no activation between (``radius = eps |A_i|_2``, ``A`` the map's matrix).
+
+    ``orthogonal``: the rows ``A_i`` are multiples of distinct unit vectors (the input scaled,
+    reshaped, sliced or padded), so a weighted sum's row norm is the root of the sum of its
+    squared terms, exactly; otherwise sums are bounded by the triangle inequality."""
+
+    center: jax.Array
+    radius: jax.Array
+    orthogonal: bool
+
+
 def interval_of(lower: jax.Array, upper: jax.Array, magnitude: jax.Array) -> Interval:
     """The interval ``[lower, upper]`` in center/radius form."""
     return Interval(0.5 * (lower + upper), 0.5 * (upper - lower), magnitude)
@@ -71,11 +93,14 @@ class Sweep(NamedTuple):
       intervals: id -> :class:`Interval` of every x-dependent value.
       pre: equation index -> ``(lower, upper)`` of the (x-dependent) input of each ReLU,
         max or min equation, widened: what its relaxation uses.
+      balls: id -> :class:`Ball` of the values before any activation, on an L2 set (empty on
+        a box).
     """
 
     values: dict
     intervals: dict
     pre: dict
+    balls: dict
 
     def value(self, operand):
         """The value of an x-independent operand (an id or a ``Constant``)."""
@@ -92,14 +117,16 @@ class Sweep(NamedTuple):
 Refine = Callable[[int, "Sweep"], "tuple[jax.Array, jax.Array]"]
 
 
-def sweep(graph: graphs.Graph, arguments: list, box: Box, *, rounding: float,
+def sweep(graph: graphs.Graph, arguments: list, region: Box | BallInBox, *, rounding: float,
           refine: Refine | None = None) -> Sweep:
     """IBP through ``graph`` for one example.
 
     Args:
       graph: the model's program (:func:`jaxbundle.certify.graph.trace`).
       arguments: the parameters' leaves.
-      box: the input's per-pixel interval, ``[1, H, W, C]`` each.
+      region: the input set, ``[1, H, W, C]`` arrays: a :class:`~jaxbundle.certify.sets.Box`,
+        or an L2 :class:`~jaxbundle.certify.sets.BallInBox` (its hull, and its :class:`Ball`
+        up to the first activation).
       rounding: relative widening (:func:`rounding_for`; 0 gives the papers' exact formulas).
       refine: ``refine(index, sweep_so_far) -> (lower, upper)``, other sound bounds on the input
         of activation equation ``index`` (CROWN's), intersected with IBP's.
@@ -109,17 +136,27 @@ def sweep(graph: graphs.Graph, arguments: list, box: Box, *, rounding: float,
     """
     values = dict(graph.constants)
     values.update(zip(graph.arguments, arguments))
+    box = hull(region)
     magnitude = jnp.maximum(jnp.abs(box.lower), jnp.abs(box.upper))
     intervals = {graph.input: interval_of(box.lower, box.upper, magnitude)}
-    state = Sweep(values, intervals, {})
+    balls = {}
+    if isinstance(region, BallInBox):
+        balls[graph.input] = Ball(region.center,
+                                  jnp.broadcast_to(region.radius, region.center.shape), True)
+    state = Sweep(values, intervals, {}, balls)
     for index, equation in enumerate(graph.equations):
         if equation.kind == graphs.CONSTANT:
             outputs = equation.apply(*(state.value(i) for i in equation.inputs))
             values.update(zip(equation.outputs, outputs))
         elif equation.kind == graphs.AFFINE:
             intervals.update(zip(equation.outputs, _affine(graph, state, equation)))
+            balls.update(zip(equation.outputs, _ball(graph, state, equation)))
         else:
-            lower, upper = intervals[graph.operand(equation)].bounds(rounding)
+            operand = graph.operand(equation)
+            lower, upper = intervals[operand].bounds(rounding)
+            if operand in balls:
+                lower, upper = _within(balls[operand], intervals[operand], lower, upper,
+                                       rounding)
             if refine is not None:
                 better_lower, better_upper = refine(index, state)
                 lower, upper = jnp.maximum(lower, better_lower), jnp.minimum(upper, better_upper)
@@ -146,14 +183,63 @@ def _affine(graph, state: Sweep, equation) -> list[Interval]:
     return [Interval(*parts) for parts in zip(centers, radii, magnitudes)]
 
 
-def absolute(equation, arguments: list, dependent: list[bool], *, constants: bool) -> list:
+# Affine equations that move each element of their x-dependent input to at most one place
+# (:class:`Ball`'s rows stay along distinct unit vectors), and the elementwise ones, which do
+# when the x-dependent operand has the output's shape (no broadcast scalar).
+_REARRANGING = frozenset({
+    "reshape", "transpose", "squeeze", "expand_dims", "slice", "dynamic_slice", "pad", "rev",
+    "convert_element_type", "copy", "copy_p", "stop_gradient", "sharding_constraint",
+})
+_ELEMENTWISE = frozenset({"mul", "div", "neg", "add", "sub", "select_n"})
+
+
+def _ball(graph, state: Sweep, equation) -> list[Ball]:
+    """The outputs' :class:`Ball` each, where every x-dependent input has one (else none)."""
+    dependent = [graph.dependent(i) for i in equation.inputs]
+    balls = [state.balls.get(i) for i, d in zip(equation.inputs, dependent) if d]
+    if not all(balls):
+        return []
+    pick = iter(balls)
+    centers = equation.apply(*[next(pick).center if d else state.value(i)
+                                for i, d in zip(equation.inputs, dependent)])
+    if len(balls) == 1 and balls[0].orthogonal:  # sum_k w_k^2 r_k^2 is each row's norm^2
+        squares = iter([jnp.square(balls[0].radius)])
+        args = [next(squares) if d else state.value(i)
+                for i, d in zip(equation.inputs, dependent)]
+        radii = [jnp.sqrt(r) for r in absolute(equation, args, dependent, constants=False,
+                                                power=2)]
+        shape = jnp.shape(balls[0].center)
+        keep = equation.name in _REARRANGING or equation.name in _ELEMENTWISE and all(
+            jnp.shape(c) == shape for c in centers)
+    else:  # the triangle inequality, as IBP's radii
+        radius = iter([b.radius for b in balls])
+        radii = absolute(equation, [next(radius) if d else state.value(i)
+                                    for i, d in zip(equation.inputs, dependent)],
+                         dependent, constants=False)
+        keep = False
+    return [Ball(c, r, keep) for c, r in zip(centers, radii)]
+
+
+def _within(ball: Ball, interval: Interval, lower, upper, rounding):
+    """``[lower, upper]`` intersected with the ball's bounds, widened for rounding like the
+    interval's (by the larger magnitude)."""
+    slack = jax.lax.stop_gradient(
+        rounding * jnp.maximum(interval.magnitude, jnp.abs(ball.center) + ball.radius))
+    return (jnp.maximum(lower, ball.center - ball.radius - slack),
+            jnp.minimum(upper, ball.center + ball.radius + slack))
+
+
+def absolute(equation, arguments: list, dependent: list[bool], *, constants: bool,
+             power: int = 1) -> list:
     """``|op|`` of an affine equation applied to non-negative ``arguments`` at its x-dependent
     inputs: weights (fixed operands of products, quotients, dot products and convolutions) by
-    their absolute values, differences as sums, and additive fixed operands by their absolute
-    values when ``constants`` (magnitudes) or zero otherwise (radii)."""
+    their absolute values (to the ``power``), differences as sums, and additive fixed operands
+    by their absolute values when ``constants`` (magnitudes) or zero otherwise (radii)."""
     def fixed(value, weight):
         if not jnp.issubdtype(jnp.result_type(value), jnp.floating):
             return value  # indices, predicates
+        if weight and power != 1:
+            return jnp.abs(value) ** power
         return jnp.abs(value) if weight or constants else jnp.zeros_like(value)
 
     weight = equation.name in ("mul", "div", "dot_general", "conv_general_dilated")
