@@ -32,6 +32,7 @@ def _certified_accuracy(config, eps):
     return float(np.mean(np.asarray(bounds).min(axis=-1) > 0))
 
 
+@pytest.mark.slow  # end to end: two trainings and their certification, mostly compilation
 def test_verified_training_certifies_what_natural_training_does_not():
     verified = _certified_accuracy(TINY_VERIFIED, CERTIFY_EPS)
     natural = _certified_accuracy(TINY_STANDARD, CERTIFY_EPS)

@@ -528,6 +528,7 @@ def test_a_focused_cascade_says_what_it_skipped(tmp_path):
     assert console.export_text().count("upper bound:") == 1
 
 
+@pytest.mark.slow  # end to end: the default bundle's 65 programs compiled, then three runs
 def test_a_sweep_over_eps_reuses_every_program():
     """The default bundle's programs do not depend on eps: a second radius that leaves the same
     survivors (none fooled at either) compiles nothing, and the count of programs a run

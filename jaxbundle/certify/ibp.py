@@ -199,23 +199,21 @@ def _ball(graph, state: Sweep, equation) -> list[Ball]:
     balls = [state.balls.get(i) for i, d in zip(equation.inputs, dependent) if d]
     if not all(balls):
         return []
-    pick = iter(balls)
-    centers = equation.apply(*[next(pick).center if d else state.value(i)
-                                for i, d in zip(equation.inputs, dependent)])
+
+    def arguments(values):  # the equation's arguments, ``values`` at its x-dependent inputs
+        each = iter(values)
+        return [next(each) if d else state.value(i) for i, d in zip(equation.inputs, dependent)]
+
+    centers = equation.apply(*arguments(b.center for b in balls))
     if len(balls) == 1 and balls[0].orthogonal:  # sum_k w_k^2 r_k^2 is each row's norm^2
-        squares = iter([jnp.square(balls[0].radius)])
-        args = [next(squares) if d else state.value(i)
-                for i, d in zip(equation.inputs, dependent)]
-        radii = [jnp.sqrt(r) for r in absolute(equation, args, dependent, constants=False,
-                                                power=2)]
-        shape = jnp.shape(balls[0].center)
+        squares = absolute(equation, arguments([jnp.square(balls[0].radius)]), dependent,
+                           constants=False, power=2)
+        radii = [jnp.sqrt(r) for r in squares]
         keep = equation.name in _REARRANGING or equation.name in _ELEMENTWISE and all(
-            jnp.shape(c) == shape for c in centers)
+            jnp.shape(c) == jnp.shape(balls[0].center) for c in centers)
     else:  # the triangle inequality, as IBP's radii
-        radius = iter([b.radius for b in balls])
-        radii = absolute(equation, [next(radius) if d else state.value(i)
-                                    for i, d in zip(equation.inputs, dependent)],
-                         dependent, constants=False)
+        radii = absolute(equation, arguments(b.radius for b in balls), dependent,
+                         constants=False)
         keep = False
     return [Ball(c, r, keep) for c, r in zip(centers, radii)]
 
