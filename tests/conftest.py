@@ -27,6 +27,7 @@ if not os.environ.get("JAXBUNDLE_TEST_XLA_DEFAULTS"):
 import jax  # noqa: E402
 import pytest  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
+from jax._src import compilation_cache  # noqa: E402
 
 # Implicit rank promotion hides shape bugs ([B] against [B, 1] silently becomes [B, B]).
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -56,7 +57,33 @@ def pytest_configure(config):
     # JAXBUNDLE_CACHE to a fresh directory; a local run without it gets one per run.
     if "JAXBUNDLE_CACHE" not in os.environ and not hasattr(config, "workerinput"):
         os.environ["JAXBUNDLE_CACHE"] = tempfile.mkdtemp(prefix="jaxbundle-tests-")
+    # One persistent compilation cache for the run, shared the same way: tests build their
+    # attacks afresh (new closures, so JAX's in-memory caches miss), but many compile the same
+    # program; XLA compiles it once per run and every later test reads it back (12 % off the
+    # attack, stochastic and schedule modules; JAXBUNDLE_TEST_COMPILE_CACHE="" turns it off).
+    if "JAXBUNDLE_TEST_COMPILE_CACHE" not in os.environ and not hasattr(config, "workerinput"):
+        os.environ["JAXBUNDLE_TEST_COMPILE_CACHE"] = tempfile.mkdtemp(prefix="jaxbundle-xla-")
+    if directory := os.environ.get("JAXBUNDLE_TEST_COMPILE_CACHE"):
+        for name, value in (("jax_compilation_cache_dir", directory),
+                            ("jax_persistent_cache_min_compile_time_secs", 0.0),
+                            ("jax_persistent_cache_min_entry_size_bytes", 0)):
+            jax.config.update(name, value)
+        compilation_cache.reset_cache()
     config._jaxbundle_started = time.monotonic()
+
+
+@pytest.fixture
+def compiles_counted():
+    """For a test that counts XLA compilations (``backend_compile_duration`` events): the run's
+    persistent compilation cache is off while it runs, so a program compiled again is counted
+    rather than read back from the cache unseen."""
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()  # JAX checks once whether to use it, until reset
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+        compilation_cache.reset_cache()
 
 
 def _map_count_limit() -> int | None:

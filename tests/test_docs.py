@@ -35,6 +35,9 @@ import pytest
 
 from docs_pages import DEFAULT_FOCUS, PYTHON_BLOCKS, Block, _write_my_model
 from docs_pages import tiny_report  # noqa: F401  (a fixture)
+from toys import QUICK_TRAINING
+
+from jaxbundle import models
 
 
 class Check(NamedTuple):
@@ -404,6 +407,12 @@ def test_python_block(c: Check, request, tmp_path, monkeypatch, capsys):
         c.setup(tmp_path, request.getfixturevalue("tiny_report")
                 if c.setup is _copy_tiny_report else None)
     capsys.readouterr()
+    # The demo models a page loads train small here (toys.QUICK_TRAINING, once per run): the
+    # block runs as written, on weights trained within a test run's budget.
+    for name in ("standard", "adversarial", "certified"):
+        quick = models.MODELS[name]._replace(**QUICK_TRAINING)
+        monkeypatch.setitem(models.MODELS, name, quick)
+        monkeypatch.setattr(models, name.upper(), quick)
     module = types.ModuleType(f"docs_block_{c.check.__name__}")
     monkeypatch.setitem(sys.modules, module.__name__, module)  # dataclasses look it up
     namespace = module.__dict__

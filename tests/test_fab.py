@@ -16,7 +16,7 @@ from jaxbundle.attacks.base import Attack, WhiteBoxModel
 from jaxbundle.attacks.white_box.fab import fab, project_hyperplane
 from jaxbundle.bundler import bundle
 from attack_checks import step_flops
-from toys import KEY, images, linear_apply, linear_problem, min_distance
+from toys import KEY, images, linear_apply, linear_problem, min_distance, quick_demo_model
 
 DUAL = {"linf": 1, "l2": 2}
 
@@ -462,10 +462,10 @@ def test_on_a_small_cnn():
 
 @pytest.mark.slow
 def test_on_the_adversarially_trained_demo_cnn():
-    from jaxbundle import data, models
+    from jaxbundle import data
 
     test = data.load_mnist_sample("test", n=16)
-    apply_fn, params = models.load_or_train(models.ADVERSARIAL)
+    apply_fn, params = quick_demo_model("adversarial")
     r = _against_fgsm(apply_fn, params, test.x, test.y, 0.3, steps=20)
     assert np.asarray(r.attack_distortion)[1].max() < np.inf  # a result for every image
 

@@ -20,7 +20,7 @@ from jaxbundle import Plan, evaluate
 from jaxbundle.bundler import _bundle, bundle, goals_for
 from jaxbundle.schedule import (PROBE_GAIN, _after_probe, _focus_size, _nearest_bucket,
                                 bucket_sizes, cascade)
-from toys import images, linear_apply, linear_problem, min_distance
+from toys import images, linear_apply, linear_problem, min_distance, quick_demo_model
 
 KEY = jax.random.key(7)
 
@@ -211,7 +211,7 @@ def test_focus_rounds_to_the_nearest_bucket():
 
 
 @pytest.mark.parametrize("segments", [1, 3])
-def test_no_recompilation_across_batches_and_buckets(segments):
+def test_no_recompilation_across_batches_and_buckets(segments, compiles_counted):
     """A second evaluation with other data (other survivors, other buckets) compiles nothing
     but programs for buckets it sees for the first time."""
     params, x, y, eps = _problem(n=64, seed=5)
@@ -300,11 +300,11 @@ def test_budget_goes_to_the_least_run_examples_first():
 def test_cascade_equals_full_on_trained_cnns(model):
     """On convolutional networks too (the demo CNN with its own conv, and one built from flax's
     nn.Conv), where the survivors' buckets have other shapes than the batch."""
-    from jaxbundle import data, models
+    from jaxbundle import data
 
     test = data.load_mnist_sample("test", n=48)
     if model == "adversarial":
-        apply_fn, params = models.load_or_train(models.ADVERSARIAL)
+        apply_fn, params = quick_demo_model("adversarial")
         eps = 0.3
     else:
         import flax.linen as nn
@@ -529,7 +529,7 @@ def test_a_focused_cascade_says_what_it_skipped(tmp_path):
 
 
 @pytest.mark.slow  # end to end: the default bundle's 65 programs compiled, then three runs
-def test_a_sweep_over_eps_reuses_every_program():
+def test_a_sweep_over_eps_reuses_every_program(compiles_counted):
     """The default bundle's programs do not depend on eps: a second radius that leaves the same
     survivors (none fooled at either) compiles nothing, and the count of programs a run
     compiles stays put (the glue programs of a cascade run once per stage or segment)."""
