@@ -37,7 +37,7 @@ jax.config.update("jax_enable_x64", False)  # the library is float32 throughout
 settings.register_profile(
     "ci",
     deadline=None,
-    max_examples=60,
+    max_examples=30,
     derandomize=True,
     database=None,
     suppress_health_check=[HealthCheck.too_slow],

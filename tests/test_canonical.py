@@ -95,7 +95,7 @@ def test_flax_models_same_value_and_input_gradient(shape):
 
 
 @pytest.mark.slow
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=10, deadline=None)
 @given(
     layout=st.sampled_from(LAYOUTS),
     size=st.tuples(st.integers(3, 9), st.integers(3, 9)),

@@ -126,9 +126,11 @@ def _module_and_params(style: str):
 
 @pytest.mark.parametrize("style", STYLES)
 def test_evaluate_takes_the_module(style, hand_written):
-    """``jaxbundle.evaluate(module, None | variables, ...)``: the hand-written model's figures."""
+    """``jaxbundle.evaluate(module, None | variables, ...)``: the hand-written model's figures,
+    and its certified bounds: bound propagation reads the module's own program (NNX merge,
+    Equinox combine, linen with batch_stats; none certified, the examples are untrained)."""
     ds = data.load_mnist_sample("test", n=8)
-    plan = jaxbundle.Plan(eps=0.05, attacks=("fgsm",), batch_size=8)
+    plan = jaxbundle.Plan(eps=0.05, attacks=("fgsm",), batch_size=8, certify="crown-ibp")
     hand = load_model(f"{hand_written}:{style}")
     want = jaxbundle.evaluate(hand.apply_fn, hand.params, (ds.x, ds.y), plan, mesh=None)
     got = jaxbundle.evaluate(*_module_and_params(style), (ds.x, ds.y), plan, mesh=None)
@@ -136,23 +138,11 @@ def test_evaluate_takes_the_module(style, hand_written):
     assert got.metrics["clean_accuracy"] == want.metrics["clean_accuracy"]
     for key in ("adversarial_prediction", "success", "x_adv"):
         np.testing.assert_array_equal(got.per_example[key], want.per_example[key], err_msg=key)
-
-
-@pytest.mark.parametrize("style", STYLES)
-def test_certification_takes_the_module(style, hand_written):
-    """Bound propagation reads the module's own program (NNX merge, Equinox combine, linen
-    with batch_stats): the hand-written model's bounds, per example (none certified: the
-    examples are untrained)."""
-    ds = data.load_mnist_sample("test", n=8)
-    plan = jaxbundle.Plan(eps=0.01, attacks=("fgsm",), batch_size=8, certify="crown-ibp")
-    hand = load_model(f"{hand_written}:{style}")
-    want = jaxbundle.evaluate(hand.apply_fn, hand.params, (ds.x, ds.y), plan, mesh=None)
-    got = jaxbundle.evaluate(*_module_and_params(style), (ds.x, ds.y), plan, mesh=None)
     np.testing.assert_allclose(got.per_example["bound_margin"],
                                want.per_example["bound_margin"], rtol=1e-5, atol=1e-5)
+    assert np.all(np.isfinite(got.per_example["bound_margin"]))
     assert got.metrics["certified"]["certified_robust_accuracy"] == (
         want.metrics["certified"]["certified_robust_accuracy"])
-    assert np.all(np.isfinite(got.per_example["bound_margin"]))
 
 
 # ----------------------------------------------------------------------------- jit arguments

@@ -99,9 +99,9 @@ def test_cascade_fools_exactly_what_the_full_bundle_fools(norm, which, segments)
         assert np.all(paid <= cost) and np.all(paid[alive] == cost[alive])
 
 
-@pytest.mark.parametrize("batch_size, segments", [
-    pytest.param(5, 1, marks=pytest.mark.slow), pytest.param(16, 1, marks=pytest.mark.slow),
-    pytest.param(48, 1, marks=pytest.mark.slow), (16, 3)])
+@pytest.mark.parametrize("batch_size, segments", [  # many batches, a partial one, segments
+    pytest.param(5, 1, marks=pytest.mark.slow), pytest.param(48, 1, marks=pytest.mark.slow),
+    (16, 3)])
 def test_cascade_evaluation_equals_full_evaluation_per_example(batch_size, segments):
     params, x, y, eps = _problem(n=37, seed=4)
     atts = _bundles("linf")[1]
