@@ -187,7 +187,7 @@ def test_two_processes_give_the_one_process_report(tmp_path):
     assert "bundled robust" in log0 and "bundled robust" not in log1
     report2 = json.loads((out2 / "report.json").read_text())
     assert set(report2["models"]) == {"adversarial"}
-    for key in ("clean_accuracy", "robust_accuracy", "mat"):
+    for key in ("clean_accuracy", "robust_accuracy", "mat", "half_distortion"):
         assert report2["models"]["adversarial"][key] == report["models"]["adversarial"][key], key
 
 
