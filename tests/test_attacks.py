@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 import pathlib
 import re
@@ -78,6 +79,24 @@ def _run(attack: Attack, model, keys, x, y, eps):
     return trajectory(state, lambda s: attack.step(attack.config, s, model), attack.num_steps)
 
 
+@functools.cache
+def _runner(attack: Attack, norm: str):
+    """``keys -> (states, candidates)`` of ``attack`` on :func:`_setup`'s toy, as one jitted
+    program per attack (equal attacks hash alike, so the tests below share it)."""
+    model, x, y, eps, _ = _setup(norm, attack)
+    return jax.jit(lambda keys: _run(attack, model, keys, x, y, eps))
+
+
+@functools.cache
+def _trail(attack: Attack, norm: str, seed: int | None = None):
+    """Every state and candidate of ``attack``'s run from :func:`_setup`'s keys (or from the
+    per-example keys of ``seed``); computed once per attack and shared by the tests that read
+    them."""
+    keys = _setup(norm, attack)[4] if seed is None else attacks.per_example_keys(
+        jax.random.key(seed), jnp.arange(16))
+    return _runner(attack, norm)(keys)
+
+
 def _plain(a: jax.Array) -> np.ndarray:
     """An array on the host; PRNG keys as their raw data."""
     if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
@@ -115,8 +134,8 @@ class TestConformance:
     def test_candidates_in_box_and_ball(self, make, norm):
         """Every iterate is in the box; a fixed-budget attack's are in the eps ball too."""
         attack = make()
-        model, x, y, eps, keys = _setup(norm, attack)
-        states, cands = _run(attack, model, keys, x, y, eps)
+        x = _setup(norm, attack)[1]
+        states, cands = _trail(attack, norm)
         for point in [s.x for s in states] + [c.x for c in cands]:
             assert float(point.min()) >= 0.0 and float(point.max()) <= 1.0
             if attack.goal != "min_norm":
@@ -125,8 +144,7 @@ class TestConformance:
 
     def test_candidate_logits_are_the_models(self, make, norm):
         attack = make()
-        model, x, y, eps, keys = _setup(norm, attack)
-        _, cands = _run(attack, model, keys, x, y, eps)
+        _, cands = _trail(attack, norm)
         white = WhiteBoxModel(linear_apply, linear_problem(n=16)[0])
         for cand in cands:
             if cand.logits is not None:  # label-only attacks have none
@@ -137,16 +155,13 @@ class TestConformance:
         iterates; a fixed key inside the attack would give the same), a deterministic one
         ignores them (:data:`RANDOMISED` lists which is which)."""
         attack = make()
-        model, x, y, eps, keys = _setup(norm, attack)
 
-        @jax.jit  # one program for both keys (SurFree's eager steps retrace every call)
-        def trail(keys):
-            states, cands = _run(attack, model, keys, x, y, eps)
-            return jnp.stack([p.x for p in (*states, *cands)])
+        def trail(seed):  # one program for both keys (SurFree's eager steps retrace every call)
+            states, cands = _trail(attack, norm, seed)
+            return np.stack([np.asarray(p.x) for p in (*states, *cands)])
 
-        other = attacks.per_example_keys(jax.random.key(99), jnp.arange(16))
         randomised = request.node.callspec.id in RANDOMISED
-        differ = not np.array_equal(np.asarray(trail(keys)), np.asarray(trail(other)))
+        differ = not np.array_equal(trail(None), trail(99))
         assert differ == randomised
 
     def test_rows_can_be_gathered_mid_run(self, make, norm):

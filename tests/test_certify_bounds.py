@@ -398,32 +398,44 @@ def _points(key, x, eps, norm, count):
     return jnp.clip(x[None] + jnp.concatenate([corner, inner]), 0.0, 1.0)
 
 
+@functools.partial(jax.jit, static_argnames=("apply", "norm"))
+def _sampled(apply, params, x, radius, key, norm):
+    """The logits at 64 points of each example's set (one program per net and norm)."""
+    return jax.vmap(lambda v: apply(params, v))(_points(key, x, radius, norm, 32))
+
+
+@functools.partial(jax.jit, static_argnames=("apply", "norm"))
+def _every_bound(apply, params, x, y, radius, norm):
+    """Every method's margin bounds, and (Linf) IBP's and CROWN's logit bounds, in one program."""
+    margins = {m: margin_bounds(apply, params, x, y, eps=radius, norm=norm, method=m)
+               for m in METHODS}
+    low, high = jnp.clip(x - radius, 0, 1), jnp.clip(x + radius, 0, 1)
+    logits = ({m: logit_bounds(apply, params, low, high, method=m) for m in ("ibp", "crown")}
+              if norm == "linf" else {})  # crown-ibp: crown's code without the refinement
+    return margins, logits
+
+
 @pytest.mark.parametrize("norm", sets.NORMS)
 @pytest.mark.parametrize("name", sorted(NETS))
 @settings(max_examples=6)
 @given(seed=st.integers(0, 2**16), eps=st.floats(0.01, 0.3))
 def test_bounds_contain_the_outputs_at_points_of_the_set(name, norm, seed, eps):
     init, apply = NETS[name]()
-    params = init(jax.random.key(seed))
+    params = jax.jit(init)(jax.random.key(seed))  # jitted: one program per net, not per op
     x = _images(jax.random.key(seed + 1), 2, low=0.0, high=1.0)
-    y = jnp.argmax(apply(params, x), axis=1)
-    radius = eps if norm == "linf" else 3 * eps
-    points = _points(jax.random.key(seed + 2), x, radius, norm, 32)
-    worst = jnp.min(jax.vmap(lambda v: _margins(apply(params, v), y))(points), axis=0)
-    found = {m: margin_bounds(apply, params, x, y, eps=radius, norm=norm, method=m)
-             for m in METHODS}
+    y = jnp.argmax(jax.jit(apply)(params, x), axis=1)
+    radius = jnp.float32(eps if norm == "linf" else 3 * eps)
+    logits = _sampled(apply, params, x, radius, jax.random.key(seed + 2), norm)
+    worst = jnp.min(jax.vmap(lambda z: _margins(z, y))(logits), axis=0)
+    found, logit_found = _every_bound(apply, params, x, y, radius, norm)
     for method, bound in found.items():
         assert jnp.all(_wrong(bound) <= worst), (method, jnp.min(worst - bound))
     ibp_bound = jnp.where(jnp.isinf(found["ibp"]), 0.0, found["ibp"])
     for method in ("crown-ibp", "crown"):  # never looser than IBP (intersected with it)
         bound = jnp.where(jnp.isinf(found[method]), 0.0, found[method])
         assert jnp.all(bound >= ibp_bound - 1e-5 * (1 + jnp.abs(ibp_bound))), method
-    if norm == "linf":
-        logits = jax.vmap(lambda v: apply(params, v))(points)
-        low, high = jnp.clip(x - radius, 0, 1), jnp.clip(x + radius, 0, 1)
-        for method in ("ibp", "crown"):  # crown-ibp: crown's code without the refinement
-            lower, upper = logit_bounds(apply, params, low, high, method=method)
-            assert jnp.all(lower <= logits.min(0)) and jnp.all(upper >= logits.max(0)), method
+    for method, (lower, upper) in logit_found.items():
+        assert jnp.all(lower <= logits.min(0)) and jnp.all(upper >= logits.max(0)), method
 
 
 # ----------------------------------------------------------------------------------------

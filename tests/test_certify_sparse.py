@@ -36,43 +36,52 @@ def _net():
 
 
 def _sweep(apply_fn, params, image, eps, sparse):
+    """Per ReLU (by equation index): CROWN's refined bounds on its input and IBP's, from one
+    jitted sweep over the Linf ball of radius ``eps`` around ``image``."""
     graph = graphs.trace(apply_fn, params, (1, *SHAPE))
     rounding = ibp.rounding_for(graph)
-    region = sets.input_set(image[None], jnp.float32(eps), "linf", 0.0, 1.0)
-    refine = crown.refinement(graph, region, rounding=rounding, sparse=sparse)
-    state = ibp.sweep(graph, jax.tree.leaves(params), sets.hull(region), rounding=rounding,
-                      refine=refine)
-    return graph, rounding, state
+    relus = [i for i, e in enumerate(graph.equations) if e.kind == graphs.RELU]
+
+    @jax.jit
+    def bounds(leaves, image, eps):
+        region = sets.input_set(image[None], eps, "linf", 0.0, 1.0)
+        refine = crown.refinement(graph, region, rounding=rounding, sparse=sparse)
+        state = ibp.sweep(graph, leaves, sets.hull(region), rounding=rounding, refine=refine)
+        return ({i: state.pre[i] for i in relus},
+                {i: state.interval(graph.operand(graph.equations[i])).bounds(rounding)
+                 for i in relus})
+
+    return relus, *bounds(jax.tree.leaves(params), image, jnp.float32(eps))
 
 
 def test_only_the_unstable_neurons_behind_an_activation_get_crown():
     apply_fn, params = _net()
     image = jax.random.uniform(jax.random.key(1), SHAPE)
-    graph, rounding, sparse = _sweep(apply_fn, params, image, 0.03, True)
-    _, _, every = _sweep(apply_fn, params, image, 0.03, False)
-    first, second = [i for i, e in enumerate(graph.equations) if e.kind == graphs.RELU][:2]
+    relus, sparse, ibp_bounds = _sweep(apply_fn, params, image, 0.03, True)
+    _, every, _ = _sweep(apply_fn, params, image, 0.03, False)
+    first, second = relus[:2]
     # Before any activation every neuron gets CROWN either way.
-    for a, b in zip(sparse.pre[first], every.pre[first]):
+    for a, b in zip(sparse[first], every[first]):
         np.testing.assert_array_equal(a, b)
     # The second ReLU's IBP bounds are the same in both (from the same first-layer bounds):
     # where they leave the neuron unstable the bounds are CROWN's, elsewhere IBP's own.
-    ibp_low, ibp_high = sparse.interval(graph.operand(graph.equations[second])).bounds(rounding)
+    ibp_low, ibp_high = ibp_bounds[second]
     unstable = (ibp_low < 0) & (ibp_high > 0)
     assert 0 < int(unstable.sum()) < unstable.size  # both kinds present: a real test
-    low, high = sparse.pre[second]
+    low, high = sparse[second]
     np.testing.assert_allclose(np.where(unstable, low, ibp_low),
-                               np.where(unstable, every.pre[second][0], ibp_low), rtol=1e-5,
+                               np.where(unstable, every[second][0], ibp_low), rtol=1e-5,
                                atol=1e-6)  # one neuron a row here, packed rows there
     np.testing.assert_array_equal(np.where(unstable, ibp_low, low), ibp_low)
     np.testing.assert_array_equal(np.where(unstable, ibp_high, high), ibp_high)
-    assert np.any(every.pre[second][0] > ibp_low)  # CROWN was tighter on some stable ones
+    assert np.any(every[second][0] > ibp_low)  # CROWN was tighter on some stable ones
 
 
 def _unstable_counts(apply_fn, params, x, eps, index):
     counts = []
     for image, radius in zip(x, eps):
-        graph, rounding, state = _sweep(apply_fn, params, image, radius, True)
-        low, high = state.interval(graph.operand(graph.equations[index])).bounds(rounding)
+        _, _, ibp_bounds = _sweep(apply_fn, params, image, radius, True)
+        low, high = ibp_bounds[index]
         counts.append(int(jnp.sum((low < 0) & (high > 0))))
     return counts
 

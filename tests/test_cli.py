@@ -19,7 +19,7 @@ from toys import (CLI, QUICK_TRAINING, assert_all_succeeded, coordinator_port, p
                   run_processes)
 
 TRAIN_EXAMPLES, TRAIN_EPOCHS = QUICK_TRAINING["n_train"], QUICK_TRAINING["epochs"]
-TINY = ["--n", "24", "--train-examples", str(TRAIN_EXAMPLES), "--train-epochs",
+TINY = ["--n", "16", "--train-examples", str(TRAIN_EXAMPLES), "--train-epochs",
         str(TRAIN_EPOCHS), "--steps", "3", "--restarts", "2", "--batch-size", "16",
         "--no-progress"]
 
@@ -103,7 +103,7 @@ def _report(out):
 
 @pytest.mark.slow
 def test_evaluate_end_to_end(tmp_path, capsys):
-    """The command trains tiny models (once per test run), attacks 24 images with the broad
+    """The command trains tiny models (once per test run), attacks 16 images with the broad
     bundle and writes the report; compare reads it. (The same command repeating its report in
     a new process: tests/test_job.py.)"""
     out = tmp_path / "report"
@@ -112,7 +112,7 @@ def test_evaluate_end_to_end(tmp_path, capsys):
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "bundled robust" in printed and "MAT" in printed
-    judged = "eps 0.3 (linf): 24 of 24 examples judged on the 8-bit grid, which allows 76/255"
+    judged = "eps 0.3 (linf): 16 of 16 examples judged on the 8-bit grid, which allows 76/255"
     assert judged in printed
 
     report = _report(out)
@@ -126,9 +126,9 @@ def test_evaluate_end_to_end(tmp_path, capsys):
         for key in ("clean_accuracy", "robust_accuracy", "relative_robustness", "mat", "wat",
                     "n_examples", "eps", "norm", "plan"):
             assert key in m, key
-        assert m["n_examples"] == 24 and m["eps"] == 0.3 and m["norm"] == "linf"
+        assert m["n_examples"] == 16 and m["eps"] == 0.3 and m["norm"] == "linf"
         assert m["plan"]["run"]["seed"] == 5 and m["plan"] == plan
-        assert m["judging"]["mode"] == "auto" and m["judging"]["grid_examples"] == 24
+        assert m["judging"]["mode"] == "auto" and m["judging"]["grid_examples"] == 16
         assert m["judging"]["statement"].startswith(judged)
         assert set(m["mat"]) == set(default)
         low, high = m["certified"]["interval"]  # the demo job certifies: [certified, bundled]
@@ -143,9 +143,9 @@ def test_evaluate_end_to_end(tmp_path, capsys):
             assert (out / fig).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert m["robust_accuracy"] <= m["wat"] == min(m["mat"].values()) <= m["clean_accuracy"]
         with np.load(out / m["per_example"]) as pe:
-            assert pe["success"].shape == (24,) and pe["x_adv"].dtype == np.uint8
+            assert pe["success"].shape == (16,) and pe["x_adv"].dtype == np.uint8
             assert list(pe["attack_names"]) == default
-            assert pe["attack_distortion"].shape == (24, 6)
+            assert pe["attack_distortion"].shape == (16, 6)
             clean_ok = pe["clean_prediction"] == pe["label"]
             assert m["clean_accuracy"] == pytest.approx(100 * clean_ok.mean())
             assert m["robust_accuracy"] == pytest.approx(100 * (clean_ok & ~pe["success"]).mean())
@@ -197,8 +197,8 @@ def test_default_bundle_runs_as_a_focused_cascade(tmp_path, capsys):
     promising half of the survivors, Square probed on every survivor and then on its share,
     reported stage by stage."""
     out = tmp_path / "report"
-    argv = ["evaluate", *TINY, "--models", "adversarial", "--no-shifts", "--queries", "300",
-            "--out", str(out)]
+    argv = ["evaluate", *TINY, "--n", "24", "--models", "adversarial", "--no-shifts", "--queries",
+            "300", "--out", str(out)]  # two batches: 16 + 8
     assert main(argv) == 0
     report = json.loads((out / "report.json").read_text())
     focus = {"apgd-ce-long": 0.5, "apgd-t5": 0.5, "square-aa": 0.06}

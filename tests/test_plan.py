@@ -62,7 +62,7 @@ def user(tmp_path_factory):
 def _cli_flags(root, out, *flags):
     return ["evaluate", "--model", "tiny=tinymlp:model", "--data", f"npz:{root / 'digits.npz'}",
             "--no-shifts", "--no-progress", "--no-compile-cache", "--cache-dir",
-            str(root / "cache"), "--batch-size", "16", "--out", str(out), *flags]
+            str(root / "cache"), "--batch-size", "24", "--out", str(out), *flags]
 
 
 # Each named bundle once, both norms among them (a bundle builds its attacks per norm through
@@ -84,7 +84,7 @@ def test_api_and_cli_give_the_same_per_example_arrays(user, tmp_path, bundle, no
              *(["--queries", "60"] if queries else [])]
     assert main(_cli_flags(root, out, *flags)) == 0
     report = json.loads((out / "report.json").read_text())
-    plan = bundles.plan(bundle, norm, eps, seed=3, batch_size=16, **queries)
+    plan = bundles.plan(bundle, norm, eps, seed=3, batch_size=24, **queries)
     assert report["config"]["plan"] == report["models"]["tiny"]["plan"] == plan.describe()
     ev = jaxbundle.evaluate(apply_fn, params, f"npz:{root / 'digits.npz'}", plan)
     with np.load(out / "tiny.npz") as cli:

@@ -59,7 +59,8 @@ def _problem(n=48, seed=3):
 @pytest.mark.parametrize("norm, which, segments", [
     (norm, which, segments) if (norm, which, segments) == ("linf", 0, 1)  # the fast tier's
     else pytest.param(norm, which, segments, marks=pytest.mark.slow)
-    for segments in (1, 3) for norm in ("linf", "l2") for which in (0, 1, 2)])
+    for segments in (1, 3) for norm in ("linf", "l2") for which in (0, 1, 2)
+    if segments == 1 or norm == "linf"])  # segments do not depend on the norm
 def test_cascade_fools_exactly_what_the_full_bundle_fools(norm, which, segments):
     params, x, y, eps = _problem()
     if norm == "l2":
@@ -100,7 +101,7 @@ def test_cascade_fools_exactly_what_the_full_bundle_fools(norm, which, segments)
 
 
 @pytest.mark.parametrize("batch_size, segments", [  # many batches, a partial one, segments
-    pytest.param(5, 1, marks=pytest.mark.slow), pytest.param(48, 1, marks=pytest.mark.slow),
+    pytest.param(12, 1, marks=pytest.mark.slow), pytest.param(48, 1, marks=pytest.mark.slow),
     (16, 3)])
 def test_cascade_evaluation_equals_full_evaluation_per_example(batch_size, segments):
     params, x, y, eps = _problem(n=37, seed=4)
