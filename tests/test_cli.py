@@ -107,7 +107,7 @@ def test_evaluate_end_to_end(tmp_path, capsys):
     bundle and writes the report; compare reads it. (The same command repeating its report in
     a new process: tests/test_job.py.)"""
     out = tmp_path / "report"
-    argv = ["evaluate", *TINY, "--bundle", "broad", "--queries", "200", "--out", str(out),
+    argv = ["evaluate", *TINY, "--bundle", "broad", "--queries", "100", "--out", str(out),
             "--seed", "5"]
     assert main(argv) == 0
     printed = capsys.readouterr().out
@@ -120,7 +120,7 @@ def test_evaluate_end_to_end(tmp_path, capsys):
     assert report["schema_version"] == 2 and plan["threat_model"]["judging"] == "auto"
     default = ["fgsm", "pgd-ce", "pgd-margin", "fmn", "square", "rays"]
     assert [a["name"] for a in plan["attacks"]] == default and plan["bundle"] == "broad"
-    assert plan["schedule"]["mode"] == "full" and plan["overrides"]["queries"] == 200
+    assert plan["schedule"]["mode"] == "full" and plan["overrides"]["queries"] == 100
     assert set(report["models"]) == {"standard", "adversarial", "certified"}
     for name, m in report["models"].items():
         for key in ("clean_accuracy", "robust_accuracy", "relative_robustness", "mat", "wat",
@@ -152,9 +152,9 @@ def test_evaluate_end_to_end(tmp_path, capsys):
             fooled = pe["success"]
             assert np.all(pe["adversarial_prediction"][fooled] != pe["label"][fooled])
             assert np.all(pe["distortion"][fooled] <= 0.3 + 1e-6)
-            # --queries reached both black-box attacks: 200 each on every example they ran on
+            # --queries reached both black-box attacks: 100 each on every example they ran on
             black = pe["queries"][clean_ok]
-            assert black.size and set(black) == {400}
+            assert black.size and set(black) == {200}
 
     md = (out / "report.md").read_text()
     assert "## adversarial" in md and "D1/2" in md and ".png)" in md

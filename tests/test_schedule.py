@@ -102,7 +102,7 @@ def test_cascade_fools_exactly_what_the_full_bundle_fools(norm, which, segments)
 
 @pytest.mark.parametrize("batch_size, segments", [  # many batches, a partial one, segments
     pytest.param(12, 1, marks=pytest.mark.slow), pytest.param(48, 1, marks=pytest.mark.slow),
-    (16, 3)])
+    pytest.param(16, 3, marks=pytest.mark.slow)])  # 13-21 s each on 2 shared cores
 def test_cascade_evaluation_equals_full_evaluation_per_example(batch_size, segments):
     params, x, y, eps = _problem(n=37, seed=4)
     atts = _bundles("linf")[1]
