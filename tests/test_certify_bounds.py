@@ -486,6 +486,7 @@ def test_demo_models_are_bounded_soundly(module):
         assert jnp.all(jnp.isfinite(jnp.where(jnp.isinf(bound), 0, bound)))
 
 
+@pytest.mark.slow  # four CROWN programs: 14-21 s on 2 shared cores
 def test_parameters_are_jit_arguments_and_batches_do_not_matter():
     traces = []
     module = SmallCNN(conv1=2, conv2=2, hidden=4, kernel=3)
