@@ -170,15 +170,19 @@ class TestConformance:
         of the stepped batch. A segmented cascade relies on both."""
         attack = make()
         model, x, y, eps, keys = _setup(norm, attack)
-        state = attack.init(attack.config, keys, x, y, eps, model, 0)
-        state, _ = attack.step(attack.config, state, model)
-        for leaf in jax.tree.leaves(state):
-            assert leaf.shape[:1] == (16,), f"a state leaf of shape {leaf.shape}"
         rows = jnp.asarray([3, 0, 7, 7])
         take = lambda tree: jax.tree.map(lambda a: a[rows], tree)  # noqa: E731
-        whole, _ = attack.step(attack.config, state, model)
-        part, _ = attack.step(attack.config, take(state), model)
-        for a, b in zip(jax.tree.leaves(take(whole)), jax.tree.leaves(part)):
+        step = lambda s: attack.step(attack.config, s, model)[0]  # noqa: E731
+
+        @jax.jit  # one program (op by op, each attack's steps compiled every primitive apart)
+        def stepped(keys, x, y, eps):
+            state = step(attack.init(attack.config, keys, x, y, eps, model, 0))
+            return state, take(step(state)), step(take(state))
+
+        state, whole, part = stepped(keys, x, y, eps)
+        for leaf in jax.tree.leaves(state):
+            assert leaf.shape[:1] == (16,), f"a state leaf of shape {leaf.shape}"
+        for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(part)):
             np.testing.assert_allclose(_plain(a), _plain(b), rtol=1e-5, atol=1e-6)
 
     def test_vmappable_over_restarts(self, make, norm):
@@ -190,8 +194,8 @@ class TestConformance:
             state = attack.init(attack.config, k, x, y, eps, model, r)
             return attack.step(attack.config, state, model)[0].x
 
-        batched = jax.vmap(run)(jnp.arange(2))
-        np.testing.assert_allclose(batched[1], run(1), rtol=1e-6, atol=1e-6)
+        batched, alone = jax.jit(lambda: (jax.vmap(run)(jnp.arange(2)), run(1)))()
+        np.testing.assert_allclose(batched[1], alone, rtol=1e-6, atol=1e-6)
 
     def test_no_retracing(self, make, norm):
         attack = make()

@@ -76,9 +76,11 @@ def test_eot_averages_bpda_gradients_of_a_random_preprocessing():
     keys = jax.random.split(jax.random.key(4), 8)
     w0 = np.broadcast_to(np.asarray(params["w"][:, 0]), x.shape)
     first = lambda z: z[:, 0]  # noqa: E731
+    def grad_of(m):  # one program per model (eagerly: every op of the EOT vmap compiled alone)
+        return jax.jit(lambda v: m.loss_and_grad(first, v)[1])(x)
+
     for samples, tolerance in ((1, None), (2048, 5 / np.sqrt(3 * 2048))):
-        m = WhiteBoxModel(model, params, None, keys, samples)
-        _, grad, logits = m.loss_and_grad(first, x)
+        grad = grad_of(WhiteBoxModel(model, params, None, keys, samples))
         scale = np.asarray(grad)[:, 0] / w0[:, 0]  # mean(s) per example
         np.testing.assert_allclose(np.asarray(grad), scale[:, None] * w0, rtol=1e-5)
         if tolerance is None:  # one draw of s per example: spread over (0, 2)
@@ -86,8 +88,8 @@ def test_eot_averages_bpda_gradients_of_a_random_preprocessing():
         else:
             np.testing.assert_allclose(scale, 1.0, atol=tolerance)
     naive = jaxbundle.stochastic(jaxbundle.defended(linear_apply, preprocess, approx))
-    _, grad, _ = WhiteBoxModel(naive, params, None, keys, 4).loss_and_grad(first, x)
-    np.testing.assert_array_equal(np.asarray(grad), 0)
+    np.testing.assert_array_equal(np.asarray(grad_of(WhiteBoxModel(naive, params, None, keys, 4))),
+                                  0)
     assert jaxbundle.with_bpda(naive) == model  # a stochastic model's declaration, switched
 
 
@@ -95,11 +97,13 @@ def test_the_demo_preprocessing_dct_and_jpeg():
     d = dct_matrix()
     np.testing.assert_allclose(d @ d.T, np.eye(8), atol=1e-6)  # orthonormal
     flat = jnp.full((1, 8, 8, 1), 0.5)
-    np.testing.assert_allclose(jpeg(flat, 50), flat, atol=1 / 255)  # a flat block survives
+    # jitted: eagerly, every operation of the DCT and the rounding would compile on its own
+    np.testing.assert_allclose(jax.jit(jpeg, static_argnums=1)(flat, 50), flat,
+                               atol=1 / 255)  # a flat block survives
     x = jax.random.uniform(jax.random.key(0), (2, 28, 28, 1))
-    out = squeeze(x)
+    out, grad = jax.jit(lambda v: (squeeze(v), jax.grad(lambda u: jnp.sum(squeeze(u)))(v)))(x)
     assert out.shape == x.shape and float(out.min()) >= 0 and float(out.max()) <= 1
-    np.testing.assert_array_equal(jax.grad(lambda v: jnp.sum(squeeze(v)))(x), 0)
+    np.testing.assert_array_equal(grad, 0)
 
 
 def _toy_defence():
@@ -108,14 +112,14 @@ def _toy_defence():
     params, x, _ = linear_problem(n=32, d=64, k=4, spread=0.5, seed=1)
     x = np.asarray(images(x, (8, 8, 1)))
     naive = models.quantized(linear_apply)
-    y = np.asarray(jnp.argmax(naive(params, jnp.asarray(x)), -1)).astype(np.int32)
+    y = np.asarray(jnp.argmax(jax.jit(naive)(params, jnp.asarray(x)), -1)).astype(np.int32)
     return naive, params, x, y
 
 
 def _evaluate(model, params, x, y):
     plan = jaxbundle.Plan(eps=0.1, attacks=(jaxbundle.AttackSpec("apgd-ce", steps=10),
                                             jaxbundle.AttackSpec("square", queries=100)),
-                          batch_size=32)
+                          batch_size=32, goals=("misclassify",))  # the one goal the test reads
     return jaxbundle.evaluate(model, params, (x, y), plan, mesh=None)
 
 
@@ -136,7 +140,8 @@ def test_bpda_breaks_the_demo_preprocessing_that_naive_gradients_cannot():
         m, pe = ev.metrics, ev.per_example
         assert m["clean_accuracy"] == 100.0
         adv = jnp.asarray(np.asarray(pe["x_adv"], np.float32) / 255)
-        wrong = np.asarray(jnp.argmax(naive(params, adv), -1)) != y  # the true forward pass
+        # the true forward pass (jitted: eagerly, each operation of the JPEG would compile)
+        wrong = np.asarray(jnp.argmax(jax.jit(naive)(params, adv), -1)) != y
         np.testing.assert_array_equal(np.asarray(pe["success"], bool), wrong)
     naive_m, bpda_m = results["naive"].metrics, results["bpda"].metrics
     assert naive_m["mat"]["apgd-ce"] >= 80.0  # blind (measured: 87.5)
@@ -157,14 +162,15 @@ def test_bpda_breaks_the_demo_preprocessing_that_naive_gradients_cannot():
 def test_the_cli_demo_defence_with_and_without_bpda(tmp_path):
     """``--models quantized``: the adversarial demo CNN (trained small) behind the demo
     preprocessing, 32 images; ``--bpda`` brings the white-box figure from near the clean
-    accuracy to near Square's."""
+    accuracy to 50 points below it or more. (APGD alone: that BPDA's figure agrees with
+    Square's, which needs no gradient, is the API test's above.)"""
     from jaxbundle.cli import main
 
     figures = {}
     for flag in ([], ["--bpda"]):
         out = tmp_path / ("bpda" if flag else "naive")
         assert main(["evaluate", "--models", "quantized", "--n", "32", "--attacks",
-                     "apgd-ce,square", "--steps", "20", "--queries", "300", "--no-shifts",
+                     "apgd-ce", "--steps", "20", "--no-shifts",
                      "--no-progress", "--train-examples", str(QUICK_TRAINING["n_train"]),
                      "--train-epochs", str(QUICK_TRAINING["epochs"]), "--out", str(out),
                      *flag]) == 0

@@ -29,12 +29,17 @@ def value_and_input_grad(fn, *args):
 
 
 def assert_same(fn, *args):
-    run = jax.jit(value_and_input_grad, static_argnums=0)
-    a = run(fn, *args)
-    b = run(canonical_convolutions(fn), *args)
+    # Both forms in one compiled program (one trace, lowering and compile per case, not two).
+    a, b = jax.jit(lambda *a: (value_and_input_grad(fn, *a),
+                               value_and_input_grad(canonical_convolutions(fn), *a)))(*args)
     for u, v in zip(a, b):
         assert u.shape == v.shape and u.dtype == v.dtype
         np.testing.assert_allclose(v, u, rtol=2e-5, atol=2e-5)
+
+
+def _normal(seed, shape):
+    """Standard normal float32 data (NumPy's: jax.random would compile a program per shape)."""
+    return jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
 
 
 @pytest.mark.slow
@@ -55,9 +60,9 @@ def test_any_convolution_same_value_and_input_gradient(
     """Strides, dilations (kernel and input), explicit padding, groups, every layout."""
     cin, cout, batch = 2 * groups, 3 * groups, 2
     shapes = {"N": batch, "C": cin, "H": size[0], "W": size[1]}
-    x = jax.random.normal(jax.random.key(0), [shapes[d] for d in layout[0]])
+    x = _normal(0, [shapes[d] for d in layout[0]])
     kshape = {"O": cout, "I": cin // groups, "H": window[0], "W": window[1]}
-    k = jax.random.normal(jax.random.key(1), [kshape[d] for d in layout[1]])
+    k = _normal(1, [kshape[d] for d in layout[1]])
     if padding in ("SAME", "VALID") and lhs_dilation != (1, 1):
         padding = ((1, 1), (0, 1))  # string padding is not defined with input dilation
 
@@ -109,19 +114,25 @@ def test_subpixel_input_gradient_equals_the_dilated_one(layout, size, window, st
     """certify's sub-pixel transposes (strides 2-3, any kernel, padding and layout; below 8
     input features the dilated form stays) give JAX's own input gradient, and the kernel's."""
     shapes = {"N": 2, "C": features, "H": size[0], "W": size[1]}
-    x = jax.random.normal(jax.random.key(0), [shapes[d] for d in layout[0]])
+    x = _normal(0, [shapes[d] for d in layout[0]])
     kshape = {"O": 3, "I": features, "H": window[0], "W": window[1]}
-    k = jax.random.normal(jax.random.key(1), [kshape[d] for d in layout[1]])
+    k = _normal(1, [kshape[d] for d in layout[1]])
 
     def conv(kernel, image):
         return jax.lax.conv_general_dilated(image, kernel, strides, padding,
                                             dimension_numbers=layout)
 
-    out, pullback = jax.vjp(conv, k, x)
-    cotangent = jax.random.normal(jax.random.key(2), out.shape)
-    mine, my_pullback = jax.vjp(canonical_convolutions(conv, subpixel=True), k, x)
+    cotangent = _normal(2, jax.eval_shape(conv, k, x).shape)
+
+    @jax.jit  # both forms and their pullbacks in one program, not op by op
+    def both(k, x, cotangent):
+        out, pullback = jax.vjp(conv, k, x)
+        mine, my_pullback = jax.vjp(canonical_convolutions(conv, subpixel=True), k, x)
+        return out, mine, pullback(cotangent), my_pullback(cotangent)
+
+    out, mine, grads, my_grads = both(k, x, cotangent)
     np.testing.assert_allclose(mine, out, rtol=1e-5, atol=1e-5)
-    for a, b in zip(my_pullback(cotangent), pullback(cotangent)):
+    for a, b in zip(my_grads, grads):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
 
 
@@ -207,7 +218,8 @@ def test_bundle_results_equal_without_the_rewrite(attack):
     through vmapped restarts and FAB's per-class VJPs."""
     x = jax.random.uniform(jax.random.key(6), (6, 28, 28, 1))
     y = jnp.arange(6) % 10
-    module = models.LinenCNN()
+    # flax's nn.Conv layers, narrow: the rewrite does not depend on the widths, the run time does
+    module = models.LinenCNN(conv1=4, conv2=8, hidden=16)
     params = module.init(jax.random.key(7), x)
     kw = dict(eps=0.1, goals=("misclassify", "min_norm"))
     a = bundler.bundle([attack], module.apply, params, x, y, jax.random.key(8), **kw)

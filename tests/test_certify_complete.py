@@ -4,6 +4,7 @@ independent brute force (one LP per activation pattern), closed forms and the ti
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import time
 
@@ -182,11 +183,18 @@ def check_against_exact(decision: complete_lib.Decision, program: ReluProgram, e
         assert decision.status != "attacked" or decision.margin < 0
 
 
+@functools.cache
+def tiny_cases(seed: int, inputs: int, hidden: tuple[int, ...], skip: bool):
+    """``tiny_examples`` of a config and each one's exact smallest margin (the brute force: one
+    LP per activation pattern), computed once for the tests that share them."""
+    programs = tiny_examples(seed, inputs, hidden, skip)
+    return programs, [brute_force(program) for program in programs]
+
+
 @pytest.mark.parametrize("seed,inputs,hidden,skip", TINY)
 def test_decide_agrees_with_brute_force_on_random_tiny_nets(seed, inputs, hidden, skip):
     statuses = set()
-    for program in tiny_examples(seed, inputs, hidden, skip):
-        exact = brute_force(program)
+    for program, exact in zip(*tiny_cases(seed, inputs, hidden, skip)):
         assert sampled_minimum(program) >= exact - 1e-9  # the oracle is a true minimum
         decision = complete_lib.decide(program, time_limit=10.0)
         check_against_exact(decision, program, exact)
@@ -198,8 +206,8 @@ def test_decide_agrees_with_brute_force_on_random_tiny_nets(seed, inputs, hidden
 
 
 def test_both_statuses_and_unstable_neurons_are_covered():
-    programs = [p for config in TINY for p in tiny_examples(*config)]
-    exact = np.array([brute_force(p) for p in programs])
+    programs = [p for config in TINY for p in tiny_cases(*config)[0]]
+    exact = np.array([e for config in TINY for e in tiny_cases(*config)[1]])
     assert np.sum(exact > 0) >= 10 and np.sum(exact < 0) >= 10
     # attacked beyond the centre: examples right at their centre that the MIP still breaks
     right = np.array([np.min(complete_lib.forward(p, p.center)[0]) > 0 for p in programs])

@@ -35,7 +35,8 @@ def _mlp(params, x):
 
 
 def _check(apply_fn, params, x, eps):
-    y = jnp.argmax(apply_fn(params, x), axis=1)
+    jitted = jax.jit(apply_fn)  # one program per batch shape, not one per operation
+    y = jnp.argmax(jitted(params, x), axis=1)
     programs = relu_program(apply_fn, params, x, y, eps=eps)
     assert len(programs) == len(x)
     rng = np.random.default_rng(0)
@@ -50,7 +51,7 @@ def _check(apply_fn, params, x, eps):
         points = np.concatenate([
             image[None], np.where(corners, program.upper, program.lower),
             rng.uniform(program.lower, program.upper, size=(16, image.size))])
-        logits = np.asarray(apply_fn(params, jnp.asarray(points, jnp.float32).reshape(
+        logits = np.asarray(jitted(params, jnp.asarray(points, jnp.float32).reshape(
             len(points), *x.shape[1:])), np.float64)
         for point, logit in zip(points, logits):
             pre, margins = _evaluate(program, point)
@@ -78,7 +79,7 @@ def test_an_mlp_with_leaky_relu_and_clip_is_its_relu_program():
 def test_the_demo_cnn_is_its_relu_program():
     module = SmallCNN(conv1=2, conv2=3, hidden=6, kernel=3)
     x = jax.random.uniform(jax.random.key(2), (2, 28, 28, 1))
-    params = module.init(jax.random.key(3), x)
+    params = jax.jit(module.init)(jax.random.key(3), x)
     programs = _check(module.apply, params, x, 0.02)
     sizes = [layer.bias.shape[0] for layer in programs[0].layers]
     assert sizes == [14 * 14 * 2, 7 * 7 * 3, 6]

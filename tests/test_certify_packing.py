@@ -32,7 +32,7 @@ class _Colour(nn.Module):
 
 def _colour():
     module = _Colour()
-    variables = module.init(jax.random.key(0), jnp.zeros((1, 16, 16, 3)))
+    variables = jax.jit(module.init)(jax.random.key(0), jnp.zeros((1, 16, 16, 3)))
     stats = variables["batch_stats"]["BatchNorm_0"]
     variables["batch_stats"]["BatchNorm_0"] = {"mean": stats["mean"] + 0.1,
                                                 "var": stats["var"] + 0.5}
@@ -78,7 +78,7 @@ def test_packed_rows_give_the_bounds_of_one_neuron_per_row(net, monkeypatch):
     _, _, packs = _packings(apply_fn, params, shape)
     assert any(p is not None for p in packs)  # the comparison below is of two real paths
     x = jax.random.uniform(jax.random.key(2), (3, *shape))
-    y = jnp.argmax(apply_fn(params, x), axis=-1)
+    y = jnp.argmax(jax.jit(apply_fn)(params, x), axis=-1)  # one program, not one per op
     packed = _crown(apply_fn, params, x, y, 0.02, True, monkeypatch)
     single = _crown(apply_fn, params, x, y, 0.02, False, monkeypatch)
     finite = np.isfinite(single)

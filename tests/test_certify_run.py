@@ -115,7 +115,7 @@ def test_complete_mode_decides_every_example_of_a_small_relu_net():
     apply_fn, params = _relu_net(0)
     x = jax.random.uniform(jax.random.key(1), (24, 2, 2, 1))
     y = np.asarray(jnp.argmax(apply_fn(params, x), axis=1))
-    plan = Plan(eps=0.15, attacks=ATTACKS, steps=20, judging="float", certify="complete",
+    plan = Plan(eps=0.15, attacks=ATTACKS[:1], steps=20, judging="float", certify="complete",
                 certify_time_limit=20.0)
     result = evaluate(apply_fn, params, (x, y), plan, mesh=None)
     pe, record = result.per_example, result.metrics["certified"]

@@ -89,8 +89,9 @@ def test_an_attack_stopped_while_still_improving_is_flagged():
     np.testing.assert_array_equal(flags["still_improving"], failed_slow)
     assert "still_improving" in _failed(r)
     assert r.metrics["checks"]["still_improving"]["examples"] == failed_slow.sum()
-    # An attack of under 10 steps, or a black-box one, is not judged by it.
-    short = _run(linear_apply, params, x, y, eps, (attacks_lib.pgd("linf", steps=5),))
+    # An attack of under 10 steps (FGSM: one; the program of the tests below), or a black-box
+    # one, is not judged by it.
+    short = _run(linear_apply, params, x, y, eps, (attacks_lib.fgsm("linf"),))
     assert "still_improving" not in short.metrics["checks"]
 
 
@@ -130,8 +131,10 @@ def test_a_model_that_keeps_state_across_calls_is_flagged():
 @pytest.mark.parametrize("mode", ["full", "cascade"])
 def test_checks_in_the_report(mode, tmp_path):
     params, x, y, eps = _problem()
+    # The plan of _run (full: the program of the neighbouring tests), in either mode.
     r = evaluate(linear_apply, params, (x, y),
-                 Plan(eps=eps, attacks=(attacks_lib.fgsm("linf"),), mode=mode), mesh=None)
+                 Plan(eps=eps, attacks=(attacks_lib.fgsm("linf"),), batch_size=16,
+                      judging="float", mode=mode), mesh=None)
     report = {"config": {}, "models": {"m": dict(r.metrics, figures={})}}
     text = markdown(report)
     assert "| check | passed | saw | means / try |" in text

@@ -38,9 +38,16 @@ def _setup(n=16, seed=0, k=4):
 
 
 def _run(attack: Attack, model, x, y, eps, keys, restart=0):
-    """Runs init and every step eagerly (slow: for tiny runs); returns states and candidates."""
-    state = attack.init(attack.config, keys, x, y, eps, model, restart)
-    return trajectory(state, lambda s: attack.step(attack.config, s, model), attack.num_steps)
+    """Init and every step (a Python loop, traced once under one jit: the model's methods are
+    called exactly as often as in an eager run); returns states and candidates."""
+
+    @jax.jit
+    def run(x, y, eps, keys):
+        state = attack.init(attack.config, keys, x, y, eps, model, restart)
+        return trajectory(state, lambda s: attack.step(attack.config, s, model),
+                          attack.num_steps)
+
+    return run(x, y, eps, keys)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -278,21 +285,27 @@ def test_gradient_is_the_objectives_in_tanh_space():
     chain rule's factor (1 - tanh(w)^2) / 2 is far from constant."""
     model, x, y, eps, keys = _setup(n=8)
     attack = cw(confidence=10.0)
-    state = attack.init(attack.config, keys, x, y, eps, model, 0)
-    w = state.w + jnp.linspace(-3.0, 3.0, x.size).reshape(x.shape)  # pixels from ~0 to ~1
-    const = jnp.linspace(0.1, 5.0, 8, dtype=jnp.float32)
-    state = state._replace(w=w, x=from_tanh_space(w), const=const)
 
-    def objective(w):
+    def objective(w, const):
         xw = from_tanh_space(w)
         distance = jnp.sum(jnp.square(xw - x).reshape(8, -1), axis=1)
         return jnp.sum(distance + const * hinge(model.logits(xw), y, 10.0))
 
-    grad_w, logits = objective_gradient(10.0, state, model)
-    assert float(state.x.min()) < 0.01 and float(state.x.max()) > 0.99
-    assert np.all(np.asarray(hinge(logits, y, 10.0)) > 0), "the hinge term is active"
-    np.testing.assert_allclose(grad_w, jax.grad(objective)(w), rtol=1e-4, atol=1e-6)
-    np.testing.assert_allclose(logits, model.logits(state.x), rtol=1e-6)
+    @jax.jit  # one program rather than op by op
+    def gradients(keys):
+        state = attack.init(attack.config, keys, x, y, eps, model, 0)
+        w = state.w + jnp.linspace(-3.0, 3.0, x.size).reshape(x.shape)  # pixels from ~0 to ~1
+        const = jnp.linspace(0.1, 5.0, 8, dtype=jnp.float32)
+        state = state._replace(w=w, x=from_tanh_space(w), const=const)
+        grad_w, logits = objective_gradient(10.0, state, model)
+        return (state.x, grad_w, logits, jax.grad(objective)(w, const),
+                hinge(logits, y, 10.0), model.logits(state.x))
+
+    xw, grad_w, logits, autodiff, hinge_term, model_logits = gradients(keys)
+    assert float(xw.min()) < 0.01 and float(xw.max()) > 0.99
+    assert np.all(np.asarray(hinge_term) > 0), "the hinge term is active"
+    np.testing.assert_allclose(grad_w, autodiff, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(logits, model_logits, rtol=1e-6)
 
 
 class _CountingModel:

@@ -279,14 +279,14 @@ def test_killed_run_resumes_to_the_uninterrupted_answer(user, tmp_path, capsys, 
     stable across processes); a checkpoint of another evaluation is refused in one line."""
     flags = ["--model", "cnn=gray_cnn.py:model", "--model", "again=gray_cnn.py:model",
              "--data", "npz:digits.npz", "--eps", "0.15", "--attacks", "pgd-ce,square",
-             "--steps", "20", "--queries", "200", "--seed", "3", "--no-shifts", "--batch-size",
+             "--steps", "10", "--queries", "100", "--seed", "3", "--no-shifts", "--batch-size",
              "8"]
     whole = tmp_path / "whole"
     code, _, err = _main(user, capsys, monkeypatch, *flags, "--out", str(whole))
     assert code == 0, err[-3000:]
-    with np.load(whole / "cnn.npz") as pe:  # --queries reached Square: 200 per example
+    with np.load(whole / "cnn.npz") as pe:  # --queries reached Square: 100 per example
         attacked = pe["clean_prediction"] == pe["label"]
-        assert attacked.any() and set(pe["queries"][attacked]) <= {200}
+        assert attacked.any() and set(pe["queries"][attacked]) <= {100}
 
     out, ckpt = tmp_path / "resumed", tmp_path / "ckpt"
     again = [*flags, "--out", str(out), "--checkpoint-dir", str(ckpt)]

@@ -3,6 +3,9 @@ feasibility, determinism, and the linear oracle."""
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -63,6 +66,19 @@ def _reference_blocks(dim, passes):
     return out
 
 
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _schedule(dim, length):
+    """The stage and the flip mask of each of the first ``length`` blocks of the schedule from
+    stage 0 (block by block with :func:`_advance`), in one program rather than op by op."""
+
+    def body(carry, _):
+        stage, block = carry
+        return _advance(stage, block, dim), (stage[0], flip_mask((dim,), stage, block)[0])
+
+    zero = jnp.zeros(1, jnp.int32)
+    return jax.lax.scan(body, (zero, zero), None, length=length)[1]
+
+
 @pytest.mark.parametrize("dim", [1, 5, 20, 48, 64, 784])
 def test_schedule_is_the_references(dim):
     """Stage by stage the flipped blocks are the reference's: ceil(D / 2^s) pixels each (the
@@ -70,14 +86,12 @@ def test_schedule_is_the_references(dim):
     blocks are single pixels every later stage flips single pixels (no return to stage 0)."""
     stages = max_stage(dim) + 3
     reference = _reference_blocks(dim, stages)
-    stage, block = jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32)
-    for level, start, end in reference:
-        mask = np.asarray(flip_mask((dim,), stage, block))[0]
+    stages_seen, masks = map(np.asarray, _schedule(dim, len(reference)))
+    for (level, start, end), stage, mask in zip(reference, stages_seen, masks):
         expected = np.ones(dim)
         expected[start:end] = -1
         np.testing.assert_array_equal(mask, expected, err_msg=f"{level=} {start=}")
-        assert int(stage[0]) == min(level, max_stage(dim))
-        stage, block = _advance(stage, block, dim)
+        assert int(stage) == min(level, max_stage(dim))
     singles = [r for r in reference if r[0] >= max_stage(dim)]
     assert len(singles) == 3 * dim and all(e - s == 1 for _, s, e in singles)
     for level in range(max_stage(dim) + 1):  # every stage is a partition of the pixels
@@ -147,10 +161,15 @@ def test_step_queries_the_channels_first_block():
     model = LabelOracle(linear_apply, params)
     y = jnp.argmax(linear_apply(params, x), axis=1)
     a = rays(steps=1)
-    state = a.init(a.config, per_example_keys(KEY, jnp.arange(2)), x, y, None, model, 0)
-    state = state._replace(searching=jnp.zeros(2, bool), k_best=jnp.full(2, 40, jnp.int32),
-                           stage=jnp.array([1, 2]), block=jnp.array([0, 3]))
-    _, cand = a.step(a.config, state, model)
+
+    @jax.jit  # init and the step in one program, not op by op
+    def check_step(keys):
+        state = a.init(a.config, keys, x, y, None, model, 0)
+        state = state._replace(searching=jnp.zeros(2, bool), k_best=jnp.full(2, 40, jnp.int32),
+                               stage=jnp.array([1, 2]), block=jnp.array([0, 3]))
+        return a.step(a.config, state, model)[1]
+
+    cand = check_step(per_example_keys(KEY, jnp.arange(2)))
     for i, (s, j) in enumerate([(1, 0), (2, 3)]):
         d = jnp.asarray(_reference_mask(shape, s, j), jnp.float32)[None]
         want = ray_image(x[i : i + 1], d, jnp.array([39]))
@@ -180,15 +199,24 @@ def test_iterates_feasible_and_state_consistent():
     assert np.all(np.abs(np.asarray(last.d)) == 1)
 
 
+@functools.partial(jax.jit, static_argnames="attack")
+def _after(attack, params, keys, x, y, eps, restart, steps):
+    """The state after ``steps`` steps of ``attack`` (one program per attack and shape)."""
+    model = LabelOracle(linear_apply, params)
+    state = attack.init(attack.config, keys, x, y, eps, model, restart)
+    return jax.lax.fori_loop(0, steps, lambda _, s: attack.step(attack.config, s, model)[0], state)
+
+
 def test_deterministic_restarts_and_per_example():
     params, model, x, y, eps, keys = _setup()
     a = rays(steps=20, restarts=2)
-    first = _run(a, model, keys, x, y, eps, 20)[0][-1]
-    np.testing.assert_array_equal(first.x, _run(a, model, keys, x, y, eps, 20)[0][-1].x)
-    s0 = a.init(a.config, keys, x, y, eps, model, 0)
-    s1 = a.init(a.config, keys, x, y, eps, model, 1)
+    run = lambda *v, restart=0, steps=20: _after(a, params, *v, restart, steps)  # noqa: E731
+    first = run(keys, x, y, eps)
+    np.testing.assert_array_equal(first.x, run(keys, x, y, eps).x)
+    s0 = run(keys, x, y, eps, restart=0, steps=0)  # init alone
+    s1 = run(keys, x, y, eps, restart=1, steps=0)
     assert np.all(np.asarray(s0.d) == 1) and not np.all(np.asarray(s1.d) == 1)
-    alone = _run(a, model, keys[:1], x[:1], y[:1], eps[:1], 20)[0][-1]
+    alone = run(keys[:1], x[:1], y[:1], eps[:1])
     np.testing.assert_array_equal(alone.x, first.x[:1])
     np.testing.assert_array_equal(alone.k_best, first.k_best[:1])
 

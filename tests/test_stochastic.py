@@ -109,13 +109,19 @@ def test_eot_mean_is_the_mean_of_its_samples_under_the_documented_keys():
     keys = _keys(5, seed=2)
     m = WhiteBoxModel(model, params, None, keys, 3)
     ce = lambda z, y_: -jnp.take_along_axis(jax.nn.log_softmax(z), y_[:, None], 1)[:, 0]  # noqa
-    value, grad, logits = m.loss_and_grad(ce, x, jnp.asarray(y))
-    # the first call site draws split(fold_in(keys[b], 0), 3)
-    per_sample = []
-    for s in range(3):
-        k = jax.vmap(lambda kb: jax.random.split(jax.random.fold_in(kb, 0), 3)[s])(keys)
-        f = lambda x_: jnp.sum(ce(sampling.logits(model, params, x_, k), jnp.asarray(y)))  # noqa
-        per_sample.append((f(x), jax.grad(f)(x), sampling.logits(model, params, x, k)))
+
+    def calls(x):  # in one program (eagerly, each operation would compile on its own)
+        value, grad, logits = m.loss_and_grad(ce, x, jnp.asarray(y))
+        second = m.logits(x)  # the second call site on the same object
+        # the first call site draws split(fold_in(keys[b], 0), 3)
+        per_sample = []
+        for s in range(3):
+            k = jax.vmap(lambda kb: jax.random.split(jax.random.fold_in(kb, 0), 3)[s])(keys)
+            f = lambda x_: jnp.sum(ce(sampling.logits(model, params, x_, k), jnp.asarray(y)))  # noqa
+            per_sample.append((f(x), jax.grad(f)(x), sampling.logits(model, params, x, k)))
+        return value, grad, logits, second, per_sample
+
+    value, grad, logits, second, per_sample = jax.jit(calls)(x)
     np.testing.assert_allclose(np.asarray(grad), np.mean([g for _, g, _ in per_sample], 0),
                                rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(logits), np.mean([z for _, _, z in per_sample], 0),
@@ -123,7 +129,7 @@ def test_eot_mean_is_the_mean_of_its_samples_under_the_documented_keys():
     np.testing.assert_allclose(float(jnp.sum(value)), np.mean([v for v, _, _ in per_sample]),
                                rtol=1e-5)
     # A second call on the same object draws fresh keys.
-    assert not np.allclose(np.asarray(m.logits(x)), np.asarray(logits))
+    assert not np.allclose(np.asarray(second), np.asarray(logits))
 
 
 def test_eot_samples_are_one_vmap_axis_and_each_is_a_model_pass():
@@ -143,9 +149,8 @@ def test_eot_samples_are_one_vmap_axis_and_each_is_a_model_pass():
     assert pgd.gradients == 5 * 2 * 4
     square = jaxbundle.with_eot([attacks_lib.square(queries=11)], 3)[0]
     assert square.queries == 3 * (square.init_queries + 10 * square.queries_per_step)
-    res = bundle([pgd, square], jaxbundle.stochastic(noisy_linear), params, x, y, KEY, eps=0.02)
-    np.testing.assert_array_equal(np.asarray(res.gradients), pgd.gradients)
-    np.testing.assert_array_equal(np.asarray(res.queries), square.queries)
+    # That a bundle reports these counts for an attack with EOT, every kind of attack:
+    # test_every_attack_kind_runs_on_a_stochastic_model_independently_of_the_batch.
 
 
 def test_black_box_oracles_average_scores_and_vote_labels():
@@ -183,27 +188,29 @@ class _Proposal(NamedTuple):
     x: jax.Array
 
 
-def _proposer(order):
-    """An attack whose restart r proposes the candidate order[r] (for one step) and claims, as
-    a single lucky call would, that the lucky one is far deeper in the wrong class."""
-    order = tuple(map(tuple, order))
+def _proposer():
+    """An attack whose restart r (of two) proposes the candidate ``params["order"][r]`` (for
+    one step) and claims, as a single lucky call would, that the lucky one is far deeper in the
+    wrong class. The order is a traced argument: every order is one program."""
 
     def init(config, keys, x0, y, eps, model, restart):
-        return _Proposal(jnp.broadcast_to(jnp.asarray(order, jnp.float32)[restart], x0.shape))
+        return _Proposal(jnp.broadcast_to(model.params["order"][restart], x0.shape))
 
     def step(config, state, model):
         lucky = jnp.all(state.x == jnp.asarray([LUCKY], jnp.float32), axis=1)
         claim = jnp.where(lucky, 10.0, 0.5)
         return state, Candidate(state.x, jnp.stack([jnp.zeros_like(claim), claim], axis=1))
 
-    return Attack("proposer", "white-box", "linf", 1, len(order), 1, init, step, order)
+    return Attack("proposer", "white-box", "linf", 1, 2, 1, init, step, "proposer")
 
 
-def _propose(order, calls=400, threshold=0.5):
-    x = jnp.tile(jnp.asarray([[0.5, 0.0]], jnp.float32), (4, 1))
-    model = jaxbundle.stochastic(_two_pixel_model, calls=calls, threshold=threshold)
-    return bundle([_proposer(order)], model, {}, x, jnp.zeros(4, jnp.int32), KEY, eps=0.5,
-                  judging="float", validate=False)
+def _propose(order, threshold=0.5, clean=(0.5, 0.0)):
+    """The proposer's two candidates ``order`` on 4 copies of the image ``clean`` (label 0),
+    judged over 400 calls: one program per threshold (the model's declaration)."""
+    x = jnp.tile(jnp.asarray([clean], jnp.float32), (4, 1))
+    model = jaxbundle.stochastic(_two_pixel_model, calls=400, threshold=threshold)
+    return bundle([_proposer()], model, {"order": jnp.asarray(order, jnp.float32)}, x,
+                  jnp.zeros(4, jnp.int32), KEY, eps=0.5, judging="float", validate=False)
 
 
 def _close(rate, p, calls=400):
@@ -217,25 +224,23 @@ def test_the_bundle_keeps_the_candidate_best_on_average_not_the_luckiest():
     assert np.all(np.asarray(best.restart) == 1)
     assert _close(best.score.rate, P_ROBUST)
     assert np.all(np.asarray(res.attack_success[0]))
-    # The order of the restarts does not matter; and the lucky candidate alone (a single-call
-    # view would have kept it) fools under a third of the calls: not an adversarial example.
+    # The order of the restarts does not matter; and the lucky candidate alone (proposed by
+    # both restarts; a single-call view would have kept it) fools under a third of the calls:
+    # not an adversarial example.
     swapped = _propose((ROBUST, LUCKY)).best["misclassify"]
     np.testing.assert_allclose(np.asarray(swapped.x), np.asarray(best.x))
-    alone = _propose((LUCKY,))
+    alone = _propose((LUCKY, LUCKY))
     assert _close(alone.best["misclassify"].score.rate, P_LUCKY)
     assert not np.asarray(alone.attack_success[0]).any()
     # Under a threshold of 0.25 it counts.
-    assert np.all(np.asarray(_propose((LUCKY,), threshold=0.25).attack_success[0]))
+    assert np.all(np.asarray(_propose((LUCKY, LUCKY), threshold=0.25).attack_success[0]))
 
 
 def test_judge_rate_and_threshold():
-    """The same candidate under thresholds 0.25 and 0.5: fooled in 31 % of the calls."""
-    x = jnp.tile(jnp.asarray([LUCKY], jnp.float32), (3, 1))
-    y = jnp.zeros(3, jnp.int32)
+    """The same candidate under thresholds 0.25 and 0.5: fooled in 31 % of the calls. (The
+    clean image is the lucky candidate; the programs are the proposer's above.)"""
     for threshold, fooled in ((0.25, True), (0.5, False)):
-        model = jaxbundle.stochastic(_two_pixel_model, calls=400, threshold=threshold)
-        res = bundle([attacks_lib.fgsm()], model, {}, x, y, KEY, eps=0.0, judging="float",
-                     validate=False)
+        res = _propose((ROBUST, ROBUST), threshold=threshold, clean=LUCKY)
         assert np.all(np.asarray(res.clean.misclassified) == fooled)
         np.testing.assert_allclose(np.asarray(res.clean.rate), P_LUCKY, atol=0.1)
 
@@ -355,7 +360,7 @@ def test_reported_robust_accuracy_counts_the_held_out_rate(mode):
 def test_held_out_keys_are_a_stream_of_their_own():
     """The winner's selection rate is its rate under the judge's call keys and its held-out
     rate under the held-out stream's, as documented; the two sets of keys share none."""
-    n, calls, p = 12, 16, 0.5
+    n, calls, p = 2000, 16, 0.5  # the model and n of the test above: its program, run again
     model = jaxbundle.stochastic(_bernoulli_model, calls=calls)
     x, y = _toy(n)
     ids = jnp.arange(100, 100 + n, dtype=jnp.int32)
@@ -399,12 +404,13 @@ def test_rejudging_rechecks_box_and_ball():
     state = goals_lib.BestState(x, goals_lib.score(x, jnp.zeros((3, 2)), x0, y, "linf"),
                                 full, full, full)
     eps = jnp.full(3, 0.5)
-    s = jaxbundle.judge.rejudge(state, "misclassify", judge, x0, y, eps, "linf").score
+    s, min_norm = jax.jit(lambda: tuple(  # one program (eagerly: one per operation)
+        jaxbundle.judge.rejudge(state, goal, judge, x0, y, eps, "linf").score
+        for goal in ("misclassify", "min_norm")))()
     np.testing.assert_array_equal(np.asarray(s.misclassified), [True, False, False])
     np.testing.assert_array_equal(np.asarray(s.rate), [1.0, 0.0, 0.0])
     np.testing.assert_array_equal(  # a min-norm winner is bound by the box, not the ball
-        np.asarray(jaxbundle.judge.rejudge(state, "min_norm", judge, x0, y, eps,
-                                           "linf").score.misclassified), [True, True, False])
+        np.asarray(min_norm.misclassified), [True, True, False])
 
 
 # --- every kind of attack, the cascade, the evaluation and its checks ------------------------
@@ -426,19 +432,24 @@ _KINDS = [suites.attack("apgd-ce", "linf", steps=6)] + [
 
 @pytest.mark.parametrize("attack", _KINDS, ids=lambda a: a.name)
 def test_every_attack_kind_runs_on_a_stochastic_model_independently_of_the_batch(attack):
-    """Whatever the batch split, each example gets the same draws, and every reported image
-    is in the box and the ball and fooled in more than half of the judge's calls."""
+    """Whatever else is in the batch and wherever in it an example stands, it gets the same
+    draws: each half of the batch run alone, padded as evaluate pads a last batch (its last
+    row repeated; one program for the whole batch and the halves). Every reported image is in
+    the box and the ball and fooled in more than half of the judge's calls."""
     params, x, y, eps = _noisy_problem()
     model = jaxbundle.stochastic(noisy_linear, calls=8)
     atts = jaxbundle.with_eot([attack], 2)
     whole = bundle(atts, model, params, x, y, KEY, eps=eps, judging="float")
     ids = jnp.arange(len(y), dtype=jnp.int32)
-    halves = [bundle(atts, model, params, x[s], y[s], KEY, eps=eps, judging="float",
-                     example_id=ids[s]) for s in (slice(0, 12), slice(12, None))]
+    halves = []
+    for half in (np.arange(12), np.arange(12, 24)):
+        rows = np.r_[half, np.full(12, half[-1])]
+        res = bundle(atts, model, params, x[rows], y[rows], KEY, eps=eps, judging="float",
+                     example_id=ids[rows])
+        halves.append(jax.tree.map(lambda a: np.asarray(a)[:12], res.best["misclassify"]))
     best = whole.best["misclassify"]
     for field in ("x", "score"):
-        got = jax.tree.map(lambda *a: np.concatenate(a), *[getattr(h.best["misclassify"], field)
-                                                          for h in halves])
+        got = jax.tree.map(lambda *a: np.concatenate(a), *[getattr(h, field) for h in halves])
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                      jax.tree.map(np.asarray, getattr(best, field)), got)
     fooled = np.asarray(best.score.misclassified)
@@ -485,7 +496,8 @@ def test_cascade_on_a_stochastic_model_fools_what_the_full_bundle_fools(segments
 
 
 def test_evaluation_reports_rates_and_the_randomness_check():
-    from jaxbundle import Plan, evaluate
+    from jaxbundle import Plan, checks, evaluate
+    from jaxbundle.evaluation import CHECKED, for_model
 
     params, x, y, eps = _noisy_problem(n=20)
     model = jaxbundle.stochastic(noisy_linear, calls=8)
@@ -505,15 +517,22 @@ def test_evaluation_reports_rates_and_the_randomness_check():
     assert np.all(pe["gradients"][correct] == 5 * 4)
     assert ev.metrics["checks"]["randomness"]["passed"]
     assert "every attack averages pgd-ce 4" in ev.metrics["checks"]["randomness"]["saw"]
+    # The check reads the model and the attacks as the evaluation runs them (for_model), not
+    # what they found: the two failing cases below are its model checks on the first batch's
+    # images, as evaluate calls them (two more evaluations would compile two more programs).
+    def randomness(model, plan):
+        apply_fn, attacks = for_model(plan, model)
+        return checks.model_checks(apply_fn, params, x[:CHECKED], attacks)["randomness"]
+
+    assert randomness(model, plan.replace(eot=4)) == tuple(  # as the evaluation reported it
+        ev.metrics["checks"]["randomness"][f] for f in checks.Check._fields)
     # Attacked without EOT: the check fails and says which attack.
-    single = evaluate(model, params, (x, y), plan)
-    randomness = single.metrics["checks"]["randomness"]
-    assert not randomness["passed"] and "without EOT: pgd-ce" in randomness["saw"]
+    single = randomness(model, plan)
+    assert not single.passed and "without EOT: pgd-ce" in single.saw
     # A model declared stochastic that ignores its key fails it too.
     ignores = jaxbundle.stochastic(lambda p, x_, key: linear_apply(p, x_), calls=4)
-    checked = evaluate(ignores, params, (x, y), plan.replace(eot=2, batch_size=250))
-    assert "every attack averages pgd-ce 2" in checked.metrics["checks"]["randomness"]["saw"]
-    assert not checked.metrics["checks"]["randomness"]["passed"]
+    checked = randomness(ignores, plan.replace(eot=2))
+    assert "every attack averages pgd-ce 2" in checked.saw and not checked.passed
     for deterministic in (Plan(eps=eps, attacks=tuple(jaxbundle.with_eot([pgd], 2))),
                           Plan(eps=eps, attacks=(pgd,), eot=2)):
         with pytest.raises(ValueError, match="eot=2 but the model is deterministic"):
@@ -528,7 +547,7 @@ def test_attacks_given_with_eot_keep_it_in_an_evaluation():
 
     params, x, y, eps = _noisy_problem(n=8)
     model = jaxbundle.stochastic(noisy_linear, calls=8)
-    pgd = attacks_lib.pgd(steps=3)
+    pgd = attacks_lib.pgd(steps=5)  # as in the test above: its program (a batch of 8), run again
     plan = Plan(eps=eps, attacks=(pgd,), goals=("misclassify",))
     given = evaluate(model, params, (x, y), plan.replace(attacks=jaxbundle.with_eot([pgd], 4)))
     by_plan = evaluate(model, params, (x, y), plan.replace(eot=4))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -90,21 +93,28 @@ def test_factory_rejects_bad_arguments(kwargs, match):
 # Directions.
 
 
-def test_dct_directions_are_low_frequency_and_orthogonalized():
-    keys = KEYS[:4]
+@jax.jit
+def _directions(keys):
+    """DCT and Gaussian directions, an orthonormal buffer, and the DCT ones orthogonalized
+    against both (one compiled program rather than op by op)."""
     t = sample_directions(keys, (8, 6, 2), "dct", 0.5).reshape(4, 8, 6, 2)
-    coeffs = np.asarray(jax.scipy.fft.dctn(t, axes=(1, 2), norm="ortho"))
-    assert np.abs(coeffs[:, 4:]).max() < 1e-5 and np.abs(coeffs[:, :, 3:]).max() < 1e-5
-    assert np.abs(coeffs[:, :4, :3]).max() > 0.1
+    coeffs = jax.scipy.fft.dctn(t, axes=(1, 2), norm="ortho")
     g = sample_directions(keys, (8, 6, 2), "gaussian", 0.5)
-    assert g.shape == (4, 96)
-    # Orthogonal to u and to the buffer, unit norm.
     buf = jnp.linalg.qr(jax.random.normal(KEY, (96, 3)))[0].T  # 3 orthonormal rows
     buf = jnp.broadcast_to(buf, (4, 3, 96))
     u = g / jnp.linalg.norm(g, axis=1, keepdims=True)
     v = orthogonalize(t.reshape(4, -1), buf, u)
+    return coeffs, g, buf, u, v
+
+
+def test_dct_directions_are_low_frequency_and_orthogonalized():
+    coeffs, g, buf, u, v = map(np.asarray, _directions(KEYS[:4]))
+    assert np.abs(coeffs[:, 4:]).max() < 1e-5 and np.abs(coeffs[:, :, 3:]).max() < 1e-5
+    assert np.abs(coeffs[:, :4, :3]).max() > 0.1
+    assert g.shape == (4, 96)
+    # Orthogonal to u and to the buffer, unit norm.
     np.testing.assert_allclose(np.linalg.norm(v, axis=1), 1.0, rtol=1e-5)
-    assert np.abs(np.sum(np.asarray(v * u), axis=1)).max() < 1e-6
+    assert np.abs(np.sum(v * u, axis=1)).max() < 1e-6
     assert np.abs(np.einsum("bd,bld->bl", v, buf)).max() < 1e-5
 
 
@@ -231,24 +241,47 @@ BALL_SHAPE = (8, 8, 1)
 BALL_X0 = jnp.full((8,) + BALL_SHAPE, 0.5 + 1e-3, jnp.float32)  # off the grid: no rounding
 
 
-def _ball_run(radius, queries, **kwargs):
-    """States after each query, from x_b = x0 + (1/8, ..., 1/8) (distance 1), phase SEARCH."""
+BALL_QUERIES = 30  # more than the first circle takes in either test below
 
-    def apply(centre, x):
+
+@functools.cache
+def _ball_program(gamma):
+    """``radius -> x, phase, index, lo, hi`` of the state before each of BALL_QUERIES queries
+    and after the last, from x_b = x0 + (1/8, ..., 1/8) (distance 1), phase SEARCH: init and
+    every step in one program per attack, the radius traced (the tests share it)."""
+    kwargs = {} if gamma is None else {"gamma": gamma}
+    a = surfree(queries=1000, queries_per_step=1, basis="gaussian", **kwargs)
+
+    def apply(params, x):
+        centre, radius = params
         r = jnp.linalg.norm((x - centre[None]).reshape(x.shape[0], -1), axis=1)
         return jnp.stack([radius - r, jnp.zeros_like(r)], axis=1)
 
-    model = LabelOracle(apply, BALL_X0[0])
-    a = surfree(queries=1000, queries_per_step=1, basis="gaussian", **kwargs)
-    y = jnp.zeros(8, jnp.int32)
-    state = a.init(a.config, KEYS[:8], BALL_X0, y, None, model, 0)
-    state = state._replace(x=BALL_X0 + 1 / 8, phase=jnp.zeros_like(state.phase),
-                           index=jnp.zeros_like(state.index))
-    step = jax.jit(lambda s: a.step(a.config, s, model)[0])
-    states = [state]
-    for _ in range(queries):
-        states.append(step(states[-1]))
-    return states
+    @jax.jit
+    def run(radius):
+        model = LabelOracle(apply, (BALL_X0[0], radius))
+        y = jnp.zeros(8, jnp.int32)
+        state = a.init(a.config, KEYS[:8], BALL_X0, y, None, model, 0)
+        state = state._replace(x=BALL_X0 + 1 / 8, phase=jnp.zeros_like(state.phase),
+                               index=jnp.zeros_like(state.index))
+
+        def body(s, _):
+            s = a.step(a.config, s, model)[0]
+            return s, s
+
+        _, states = jax.lax.scan(body, state, None, length=BALL_QUERIES)
+        fields = ("x", "phase", "index", "lo", "hi")
+        return {f: jnp.concatenate([getattr(state, f)[None], getattr(states, f)]) for f in fields}
+
+    return run
+
+
+def _ball_run(radius, **kwargs):
+    """States (their x, phase, index, lo and hi) after each query; see :func:`_ball_program`."""
+    stacked = {k: np.asarray(v) for k, v in
+               _ball_program(kwargs.get("gamma"))(jnp.float32(radius)).items()}
+    return [SimpleNamespace(**{k: v[t] for k, v in stacked.items()})
+            for t in range(BALL_QUERIES + 1)]
 
 
 def _first_circle(states):
@@ -260,7 +293,7 @@ def _first_circle(states):
 
 
 def _distance(x):
-    return np.linalg.norm(np.asarray(x - BALL_X0).reshape(8, -1), axis=1)
+    return np.linalg.norm((np.asarray(x) - np.asarray(BALL_X0)).reshape(8, -1), axis=1)
 
 
 def test_success_at_the_largest_angle_extends_past_theta_max():
@@ -269,7 +302,7 @@ def test_success_at_the_largest_angle_extends_past_theta_max():
     (its upper-range loop) and bisects from there, so the first circle ends near the ball
     (distance 0.3), not at cos(30° + 10°) = 0.77 or farther (a refinement capped at
     θ_max + θ_max / T)."""
-    circle = _first_circle(_ball_run(0.3, 30))
+    circle = _first_circle(_ball_run(0.3))
     d = _distance(circle[-1].x)
     assert np.all(d >= 0.3) and np.all(d < 0.4), d
     assert np.all(d < np.cos(np.radians(40.0)) - 0.3)
@@ -282,7 +315,8 @@ def test_angle_bisection_stops_at_gamma():
     7."""
     for gamma, bisections in ((None, 3), (0.0, 7)):
         kwargs = {} if gamma is None else {"gamma": gamma}
-        circle = _first_circle(_ball_run(0.9, 14, **kwargs))
+        circle = _first_circle(_ball_run(0.9, **kwargs))
+        assert len(circle) <= 15  # the first circle ends within 14 queries
         phases = [int(s.phase[0]) for s in circle]
         assert phases[:3] == [0, 0, 0] and phases[-1] == 0
         refine = [s for s in circle if int(s.phase[0]) == 1]
