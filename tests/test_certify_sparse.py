@@ -127,6 +127,8 @@ def test_a_group_too_unstable_for_one_neuron_per_row_takes_the_packed_rows():
     few, many = _unstable_counts(x, eps, second)
     assert few <= packed.members.shape[0] < many  # alone: one neuron a row; together: packed
     together = np.asarray(margin_bounds(apply_fn, params, x, y, eps=eps, method="crown"))
-    alone = np.asarray(margin_bounds(apply_fn, params, x[:1], y[:1], eps=eps[:1],
+    # The first example without the second: twice in a group of its own (the program above).
+    twice = jnp.asarray([0, 0])
+    alone = np.asarray(margin_bounds(apply_fn, params, x[twice], y[twice], eps=eps[twice],
                                      method="crown"))
     np.testing.assert_allclose(alone[0], together[0], rtol=1e-5, atol=1e-5)
