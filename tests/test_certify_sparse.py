@@ -42,16 +42,15 @@ def _sweeper(sparse):
     ``sparse``: compiled once, shared by every image, radius and test."""
     apply_fn, params = _net()
     graph = graphs.trace(apply_fn, params, (1, *SHAPE))
-    rounding = ibp.rounding_for(graph)
     relus = [i for i, e in enumerate(graph.equations) if e.kind == graphs.RELU]
 
     @jax.jit
     def bounds(leaves, image, eps):
         region = sets.input_set(image[None], eps, "linf", 0.0, 1.0)
-        refine = crown.refinement(graph, region, rounding=rounding, sparse=sparse)
-        state = ibp.sweep(graph, leaves, sets.hull(region), rounding=rounding, refine=refine)
+        refine = crown.refinement(graph, region, sparse=sparse)
+        state = ibp.sweep(graph, leaves, sets.hull(region), refine=refine)
         return ({i: state.pre[i] for i in relus},
-                {i: state.interval(graph.operand(graph.equations[i])).bounds(rounding)
+                {i: state.interval(graph.operand(graph.equations[i])).bounds()
                  for i in relus})
 
     return relus, bounds

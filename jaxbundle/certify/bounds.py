@@ -14,10 +14,13 @@ Methods (:data:`METHODS`):
   with IBP's (behind the first activation, on the ReLUs IBP leaves unstable); one backward
   pass per such neuron (in blocks), the tightest and the most expensive.
 
-The returned bounds are sound for the model's real-number function and for its float32
-evaluation: every bound is widened by a small multiple of float32's rounding (see
-:mod:`jaxbundle.certify.ibp`). A model computing anything else of its input (``exp``,
-``x * x``, softmax, ...) raises :class:`UnsupportedPrimitive` when traced.
+The returned bounds hold for the model's float32 outputs as the judge computes them (matrix
+products at ``Precision.HIGHEST``, :mod:`jaxbundle.arithmetic`) at every point of the input set,
+and they are computed at that precision whatever the backend's default: each equation's
+rounding and the bound's own are allowed for by a worst-case bound
+(:mod:`jaxbundle.certify.rounding`, which says what it assumes). A model computing anything
+else of its input (``exp``, ``x * x``, softmax, ...) raises :class:`UnsupportedPrimitive` when
+traced.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
+from jaxbundle import arithmetic
 from jaxbundle.certify import crown, ibp
 from jaxbundle.certify import graph as graphs
 from jaxbundle.certify import sets
@@ -68,7 +72,7 @@ def check_arguments(apply_fn, x, y=None, eps=None, *, method: str = "crown",
 
 def margin_bounds(apply_fn: Callable[[Any, jax.Array], jax.Array], params: Any, x: jax.Array,
                   y: jax.Array, *, eps, norm: str = "linf", method: str = "crown",
-                  lower=0.0, upper=1.0) -> jax.Array:
+                  lower=0.0, upper=1.0, rounding: bool = True) -> jax.Array:
     """Sound lower bounds on every margin ``z_y - z_j`` over each example's input set.
 
     The set of example ``b`` is the ``norm`` ball of radius ``eps[b]`` around ``x[b]``
@@ -86,6 +90,8 @@ def margin_bounds(apply_fn: Callable[[Any, jax.Array], jax.Array], params: Any, 
         activation, the ball itself; CROWN the set itself).
       method: one of :data:`METHODS`.
       lower, upper: the data's box (scalars, or arrays broadcastable to one image).
+      rounding: allow for float32's rounding, the model's and the bound's own (default);
+        False gives the papers' formulas in real arithmetic, for comparisons only.
 
     Returns:
       ``[B, K]`` float32 lower bounds, ``+inf`` in the true class's column.
@@ -95,13 +101,14 @@ def margin_bounds(apply_fn: Callable[[Any, jax.Array], jax.Array], params: Any, 
       ValueError, TypeError: malformed arguments.
     """
     check_arguments(apply_fn, x, y, eps, method=method, norm=norm)
-    return _margin_bounds(apply_fn, params, x, y, eps, lower, upper, norm=norm, method=method)
+    return _margin_bounds(apply_fn, params, x, y, eps, lower, upper, norm=norm, method=method,
+                          rounding=bool(rounding))
 
 
-@functools.partial(jax.jit, static_argnames=("apply_fn", "norm", "method"))
-def _margin_bounds(apply_fn, params, x, y, eps, lower, upper, *, norm, method):
+@functools.partial(jax.jit, static_argnames=("apply_fn", "norm", "method", "rounding"))
+@arithmetic.stated()
+def _margin_bounds(apply_fn, params, x, y, eps, lower, upper, *, norm, method, rounding):
     graph = graphs.trace(apply_fn, params, (1, *x.shape[1:]))
-    rounding = ibp.rounding_for(graph)
     arguments = jax.tree.leaves(params)
     classes = graph.shapes[graph.output].shape[-1]
     eps = jnp.broadcast_to(jnp.asarray(eps, jnp.float32), y.shape)
@@ -134,8 +141,7 @@ def per_example(function, examples, method):
 
 
 def _propagate(graph, arguments, region, method, rounding) -> ibp.Sweep:
-    refine = None if method != "crown" else crown.refinement(graph, region, rounding=rounding,
-                                                              axis_name=AXIS)
+    refine = None if method != "crown" else crown.refinement(graph, region, axis_name=AXIS)
     return ibp.sweep(graph, arguments, region, rounding=rounding, refine=refine)
 
 
@@ -145,17 +151,16 @@ def _spec_lower_bounds(graph, arguments, region, spec, method, rounding):
     larger of that and CROWN's (both are sound)."""
     state = _propagate(graph, arguments, region, method, rounding)
     end, pair = len(graph.equations), crown.Pair(spec, None)
-    bound, _ = crown.linear_bounds(graph, state, end, graph.output, pair, region,
-                                   rounding=rounding, elide=True)
+    bound, _ = crown.linear_bounds(graph, state, end, graph.output, pair, region, elide=True)
     if method != "ibp":
-        tighter, _ = crown.linear_bounds(graph, state, end, graph.output, pair, region,
-                                         rounding=rounding)
+        tighter, _ = crown.linear_bounds(graph, state, end, graph.output, pair, region)
         bound = jnp.maximum(bound, tighter)
     return bound
 
 
 def logit_bounds(apply_fn: Callable[[Any, jax.Array], jax.Array], params: Any, lo: jax.Array,
-                 hi: jax.Array, *, method: str = "ibp") -> tuple[jax.Array, jax.Array]:
+                 hi: jax.Array, *, method: str = "ibp", rounding: bool = True
+                 ) -> tuple[jax.Array, jax.Array]:
     """Sound lower and upper bounds on the logits over the box ``[lo, hi]`` of each example.
 
     Differentiable in ``params`` (IBP and CROWN-IBP training losses are built on it; ``"crown"``
@@ -167,6 +172,7 @@ def logit_bounds(apply_fn: Callable[[Any, jax.Array], jax.Array], params: Any, l
       params: the model's parameters.
       lo, hi: ``[B, H, W, C]`` float32 each, ``lo <= hi``.
       method: one of :data:`METHODS`.
+      rounding: allow for float32's rounding (see :func:`margin_bounds`).
 
     Returns:
       ``(lower, upper)``, ``[B, K]`` float32 each.
@@ -174,13 +180,13 @@ def logit_bounds(apply_fn: Callable[[Any, jax.Array], jax.Array], params: Any, l
     check_arguments(apply_fn, lo, method=method)
     if jnp.shape(hi) != jnp.shape(lo):
         raise ValueError(f"lo and hi must have one shape; got {jnp.shape(lo)}, {jnp.shape(hi)}")
-    return _logit_bounds(apply_fn, params, lo, hi, method=method)
+    return _logit_bounds(apply_fn, params, lo, hi, method=method, rounding=bool(rounding))
 
 
-@functools.partial(jax.jit, static_argnames=("apply_fn", "method"))
-def _logit_bounds(apply_fn, params, lo, hi, *, method):
+@functools.partial(jax.jit, static_argnames=("apply_fn", "method", "rounding"))
+@arithmetic.stated()
+def _logit_bounds(apply_fn, params, lo, hi, *, method, rounding):
     graph = graphs.trace(apply_fn, params, (1, *lo.shape[1:]))
-    rounding = ibp.rounding_for(graph)
     arguments = jax.tree.leaves(params)
 
     def one(example):
@@ -192,7 +198,7 @@ def _logit_bounds(apply_fn, params, lo, hi, *, method):
             spec = jnp.eye(classes).reshape(classes, 1, classes)
             tight_lower, tight_upper = crown.linear_bounds(
                 graph, state, len(graph.equations), graph.output, crown.Pair(spec, spec),
-                region, rounding=rounding)
+                region)
             lower = jnp.maximum(lower[0], tight_lower)[None]
             upper = jnp.minimum(upper[0], tight_upper)[None]
         return lower[0], upper[0]

@@ -11,6 +11,12 @@ mixed integer programming"):
 * an unstable neuron (``l < 0 < u``) gets a binary ``d`` and
   ``a >= 0, a >= z, a <= z - l (1 - d), a <= u d``, exact for ``d`` in ``{0, 1}``.
 
+The model computes in float32: its pre-activation is the program's ``z`` up to a slack ``s``
+(:attr:`ReluProgram.pre_slack`, its rounding), so the program relaxes each ``z`` to
+``[z - s, z + s]`` (``a >= z - s``, ``a <= z + s - l (1 - d)``; ``z - s <= a <= z + s`` for an
+active neuron) and each margin by its own slack: a margin proven positive is positive for the
+float32 model too, not only for the network in real arithmetic.
+
 Every variable is boxed (the input by the example's box, each ReLU output by ``[max(l, 0),
 max(u, 0)]``), so every relaxation is bounded. The classes are refined best first: each class
 starts with the interval bound its margin gets from the program's bounds; the class with the
@@ -163,6 +169,15 @@ def _check(program: ReluProgram) -> None:
         raise ValueError("a program needs at least one margin row (a wrong class)")
     if np.shape(program.classes) != np.shape(program.margins.bias):
         raise ValueError("a program needs one class per margin row")
+    slacks = [*program.pre_slack, *([] if program.margin_slack is None else
+                                    [program.margin_slack])]
+    shapes = [np.shape(b) for b in program.pre_lower][:len(program.pre_slack)] + (
+        [] if program.margin_slack is None else [np.shape(program.margins.bias)])
+    if program.pre_slack and len(program.pre_slack) != len(program.layers) or any(
+            np.shape(v) != shape or not np.all(np.isfinite(v) & (np.asarray(v) >= 0))
+            for v, shape in zip(slacks, shapes)):
+        raise ValueError("a program's slacks must be finite non-negative vectors, one per "
+                         "layer's pre-activations and one for the margins")
     _, pre = forward(program, program.center)
     for k, z in enumerate(pre):
         slack = BOUNDS_RTOL * (1.0 + np.abs(z))
@@ -190,11 +205,12 @@ def _entries(columns: np.ndarray, values: np.ndarray, width: int) -> scipy.spars
 
 
 def _relu_rows(weights: scipy.sparse.csr_array, bias: np.ndarray, lo: np.ndarray,
-               hi: np.ndarray, outputs: np.ndarray, binaries: np.ndarray
+               hi: np.ndarray, outputs: np.ndarray, binaries: np.ndarray, slack: np.ndarray
                ) -> tuple[list[scipy.sparse.csr_array], list[np.ndarray], list[np.ndarray]]:
     """One ReLU layer's rows ``low <= block @ v <= high``: ``z = weights @ v + bias`` is the
-    pre-activation, ``outputs`` the columns of ``a``, ``binaries`` those of the unstable
-    neurons' ``d`` (in order). Inactive neurons need no row (their ``a`` is boxed to 0)."""
+    pre-activation up to ``slack``, ``outputs`` the columns of ``a``, ``binaries`` those of the
+    unstable neurons' ``d`` (in order). Inactive neurons need no row (their ``a`` is boxed to
+    0)."""
     width = weights.shape[1]
     active, split = np.flatnonzero(lo >= 0), np.flatnonzero((lo < 0) & (hi > 0))
     own = _entries(outputs[split], np.ones(split.size), width)
@@ -204,8 +220,9 @@ def _relu_rows(weights: scipy.sparse.csr_array, bias: np.ndarray, lo: np.ndarray
               relu - _entries(binaries, lo[split], width),  # a - W v - l d <= b - l
               own - _entries(binaries, hi[split], width)]  # a - u d <= 0
     none = np.full(split.size, np.inf)
-    lows = [bias[active], bias[split], -none, -none]
-    highs = [bias[active], none, bias[split] - lo[split], np.zeros(split.size)]
+    lows = [bias[active] - slack[active], bias[split] - slack[split], -none, -none]
+    highs = [bias[active] + slack[active], none, bias[split] + slack[split] - lo[split],
+             np.zeros(split.size)]
     return blocks, lows, highs
 
 
@@ -227,16 +244,20 @@ def _encode(program: ReluProgram) -> _Encoding:
         outputs = offsets[k] + np.arange(widths[k + 1])
         var_lower[outputs], var_upper[outputs] = np.maximum(lo, 0.0), np.maximum(hi, 0.0)
         binaries = binary_start[k] + np.arange(unstable[k])
+        slack = (np.asarray(program.pre_slack[k], np.float64) if program.pre_slack
+                 else np.zeros(lo.shape))
         rows = _relu_rows(_block(layer, offsets, columns), np.asarray(layer.bias, np.float64),
-                          lo, hi, outputs, binaries)
+                          lo, hi, outputs, binaries, slack)
         blocks, lows, highs = blocks + rows[0], lows + rows[1], highs + rows[2]
     integrality = (np.arange(columns) >= starts[-1]).astype(float)
     matrix = scipy.sparse.vstack(blocks, format="csr") if blocks else scipy.sparse.csr_array(
         (0, columns))
+    margin_slack = 0.0 if program.margin_slack is None else np.asarray(program.margin_slack,
+                                                                        np.float64)
     return _Encoding(matrix, np.concatenate([np.zeros(0), *lows]),
                      np.concatenate([np.zeros(0), *highs]), var_lower, var_upper, integrality,
                      _block(program.margins, offsets, columns),
-                     np.asarray(program.margins.bias, np.float64))
+                     np.asarray(program.margins.bias, np.float64) - margin_slack)
 
 
 def certify_tolerance(program: ReluProgram) -> float:

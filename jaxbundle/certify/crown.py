@@ -35,11 +35,12 @@ import numpy as np
 from jaxbundle.canonical import canonical_convolutions
 from jaxbundle.certify import graph as graphs
 from jaxbundle.certify import ibp, packing
+from jaxbundle.certify import rounding as rounds
 from jaxbundle.certify.sets import Box, BallInBox, minimise
 
 __all__ = [
-    "CHUNK_ELEMENTS", "SHARED_ELEMENTS", "Owners", "Pair", "backward", "chunk_elements",
-    "linear_bounds", "refinement",
+    "CHUNK_ELEMENTS", "SHARED_ELEMENTS", "Carried", "Owners", "Pair", "backward",
+    "chunk_elements", "linear_bounds", "refinement",
 ]
 
 # Rows of an identity specification carried at once: at most this many coefficients per
@@ -113,10 +114,32 @@ def _dot(coefficients, value, owners: Owners | None = None, value_id=None):
     return jnp.einsum("su,sug->sg", product, share)
 
 
+class Carried(NamedTuple):
+    """Rows carried back by :func:`backward`.
+
+    Attributes:
+      frontier: id -> :class:`Pair` of the coefficients on the input (and on the activation
+        outputs when elided).
+      constants: :class:`Pair` of ``[S]`` constants (``[S, slots]`` packed), or None.
+      errors: :class:`Pair` of ``[S]`` non-negative allowances for float32's rounding (the
+        model's and the pass's own, :mod:`jaxbundle.certify.rounding`), subtracted from the
+        lower bound and added to the upper; None without rounding.
+    """
+
+    frontier: dict
+    constants: Pair | None
+    errors: Pair | None
+
+
 def backward(graph: graphs.Graph, state: ibp.Sweep, start: int, coefficients: dict, *,
-             elide: bool = False, owners: Owners | None = None) -> tuple[dict, Pair | None]:
+             elide: bool = False, owners: Owners | None = None) -> Carried:
     """Carries ``coefficients`` (id -> :class:`Pair` of ``[S, *shape]``) on values computed
     before equation ``start`` back to the input.
+
+    With rounding (``state.rounding``) the rows' errors grow where the pass crosses an
+    equation: by the equation's slack (the model's rounding of it and the rounding of the
+    coefficients through it), by the rounding of each constant and of its running sum, of a
+    relaxation's products, and of coefficients summed where a value has several uses.
 
     Args:
       graph, state: the program and its IBP sweep (fixed values, activation input bounds).
@@ -128,10 +151,10 @@ def backward(graph: graphs.Graph, state: ibp.Sweep, start: int, coefficients: di
         slots]``).
 
     Returns:
-      ``(frontier, constants)``: id -> :class:`Pair` of the coefficients on the input (and on
-      the activation outputs if ``elide``), and the :class:`Pair` of ``[S]`` constants.
+      The :class:`Carried` rows.
     """
-    coefficients, frontier, constants = dict(coefficients), {}, None
+    coefficients, frontier, constants, errors = dict(coefficients), {}, None, None
+    steps = rounds.gamma(len(graph.equations) + 2)  # a constant's share of the running sum's
     for index in range(start - 1, -1, -1):
         equation = graph.equations[index]
         if equation.kind == graphs.CONSTANT:
@@ -140,17 +163,54 @@ def backward(graph: graphs.Graph, state: ibp.Sweep, start: int, coefficients: di
         if all(p is None for p in pairs):
             continue
         if equation.kind == graphs.AFFINE:
-            contributions, extra = _affine(graph, state, equation, pairs, owners)
+            contributions, extra, error = _affine(graph, state, equation, pairs, owners)
         elif elide:
             frontier[equation.outputs[0]] = pairs[0]
             continue
         else:
-            contributions, extra = _activation(graph, state, index, pairs[0], owners)
+            contributions, extra, error = _activation(graph, state, index, pairs[0], owners)
         constants = _add(constants, extra)
+        if state.rounding:
+            errors = _add(_add(errors, error), _scaled(extra, steps))
         for operand, pair in contributions:
-            coefficients[operand] = _add(coefficients.get(operand), pair)
+            before = coefficients.get(operand)
+            if state.rounding and before is not None:  # a value of several uses: a sum rounds
+                errors = _add(errors, _fan_in(state, operand, before, pair, owners))
+            coefficients[operand] = _add(before, pair)
     frontier.update(coefficients)
-    return frontier, constants
+    return Carried(frontier, constants, errors)
+
+
+def _map(pair: Pair | None, function) -> Pair | None:
+    """``function`` of each side of ``pair`` (once while they are one array)."""
+    if pair is None:
+        return None
+    lower = None if pair.lower is None else function(pair.lower)
+    if pair.shared:
+        return Pair(lower, lower)
+    return Pair(lower, None if pair.upper is None else function(pair.upper))
+
+
+def _scaled(pair: Pair | None, factor: float) -> Pair | None:
+    """``factor * |pair|`` on each side."""
+    return _map(pair, lambda a: factor * jnp.abs(a))
+
+
+def _allowance(rows: Pair, value, owners, value_id, factor: float = 1.0) -> Pair:
+    """``factor * |rows| . value`` on each side (``value`` non-negative), inflated for its own
+    rounding: the error allowance of rows crossing a value whose elements may each be off by
+    ``factor * value``."""
+    size = int(np.prod(jnp.shape(value)))
+    scale = factor * rounds.inflation(size)
+    return _map(rows, lambda a: scale * _dot(jnp.abs(a), value, owners, value_id))
+
+
+def _fan_in(state, operand, before: Pair, added: Pair, owners) -> Pair:
+    """The rounding of ``before + added``, the coefficients of a value of several uses: one
+    ulp of ``|before| + |added|`` times the value's magnitude."""
+    summed = _add(_map(before, jnp.abs), _map(added, jnp.abs))
+    return _allowance(summed, state.interval(operand).magnitude(), owners, operand,
+                      rounds.UNIT)
 
 
 _WEIGHTED = frozenset({"mul", "div", "dot_general", "conv_general_dilated"})
@@ -158,7 +218,9 @@ _WEIGHTED = frozenset({"mul", "div", "dot_general", "conv_general_dilated"})
 
 def _affine(graph, state, equation, pairs, owners):
     """Contributions of an affine equation: the VJP of its x-dependent inputs (others fixed)
-    applied to every row, and the rows' inner products with the equation at zero inputs."""
+    applied to every row, the rows' inner products with the equation at zero inputs, and (with
+    rounding) the errors: each row's absolute values times the outputs' slack, and the
+    rounding of the inner products with the constant."""
     positions = [k for k, i in enumerate(equation.inputs) if graph.dependent(i)]
     fixed = [None if k in positions else state.value(i) for k, i in enumerate(equation.inputs)]
 
@@ -202,20 +264,36 @@ def _affine(graph, state, equation, pairs, owners):
     low_constant = None if lower is None else lower[1]
     high_constant = None if upper is None else upper[1]
     constant = Pair(low_constant, low_constant if shared else high_constant)
-    return contributions, constant
+    if not state.rounding:
+        return contributions, constant, None
+    error = None
+    for pair, output, offset in zip(pairs, equation.outputs, offsets):
+        if pair is None:
+            continue
+        error = _add(error, _allowance(pair, state.slack[output], owners, output))
+        if has_constant:  # the inner product with the constant, a sum over the output
+            error = _add(error, _allowance(pair, jnp.abs(offset), owners, output,
+                                           rounds.gamma(int(np.prod(offset.shape)))))
+    return contributions, constant, error
 
 
 def _relaxations(graph, state, index):
     """``(below, above)``: linear functions ``(slope(A), intercept)`` of the activation's input
     below and above its output on ``[l, u]``; ``slope`` maps row coefficients ``[S, *shape]``,
-    ``intercept`` is an array of the output's shape; either may be None (zero)."""
+    ``intercept`` is an array of the output's shape; either may be None (zero). With rounding
+    the chord's intercept is raised to hold at both ends in exact arithmetic whatever the
+    rounding of its slope."""
     equation = graph.equations[index]
     lower, upper = state.pre[index]
     if equation.kind == graphs.RELU:
         active, unstable = lower >= 0, (lower < 0) & (upper > 0)
         chord = jnp.where(unstable, upper / jnp.where(unstable, upper - lower, 1.0),
                           active.astype(lower.dtype))
-        intercept = jnp.where(unstable, -chord * lower, 0.0)
+        intercept = -chord * lower
+        if state.rounding:  # chord l + b >= 0 and chord u + b >= u, exactly
+            intercept = (jnp.maximum(intercept, upper - chord * upper)
+                         + 4.0 * rounds.UNIT * (jnp.abs(upper) + jnp.abs(lower)) + rounds.FLOOR)
+        intercept = jnp.where(unstable, intercept, 0.0)
         # Adaptive lower slope: 1 where the chord is steeper than 1/2 (u >= -l), else 0.
         slope = jnp.where(unstable, (upper >= -lower).astype(lower.dtype), chord)
         return (lambda a: a * slope[None], None), (lambda a: a * chord[None], intercept)
@@ -244,13 +322,24 @@ def _activation(graph, state, index, pair, owners):
 
     low, low_constant = side(pair.lower, below, above)
     high, high_constant = side(pair.upper, above, below)
-    return [(operand, Pair(low, high))], Pair(low_constant, high_constant)
+    error = None
+    if state.rounding:  # the slopes' products, the routes' sums, the intercepts' inner products
+        lower, upper = state.pre[index]
+        reach = jnp.maximum(jnp.abs(lower), jnp.abs(upper))
+        if equation.kind != graphs.RELU:
+            reach = equation.apply(reach)[0]  # |a routed value| <= its window's largest reach
+        size = int(np.prod(reach.shape))
+        factor = rounds.UNIT + rounds.gamma(equation.arithmetic.back) + rounds.gamma(size)
+        error = _allowance(pair, reach, owners, equation.outputs[0], factor)
+    return [(operand, Pair(low, high))], Pair(low_constant, high_constant), error
 
 
 def linear_bounds(graph: graphs.Graph, state: ibp.Sweep, start: int, target, spec: Pair,
-                  input_set: Box | BallInBox, *, rounding: float, elide: bool = False,
-                  owners: Owners | None = None, head: tuple | None = None):
-    """Lower and upper bounds ``[S]`` of ``spec @ value(target)`` over the input set.
+                  input_set: Box | BallInBox, *, elide: bool = False,
+                  owners: Owners | None = None, head: Carried | None = None):
+    """Lower and upper bounds ``[S]`` of ``spec @ value(target)`` over the input set, for the
+    model's float32 values with ``state.rounding`` (the rows' errors subtracted, the final sums'
+    rounding allowed for).
 
     Args:
       graph, state: the program and its sweep.
@@ -258,50 +347,54 @@ def linear_bounds(graph: graphs.Graph, state: ibp.Sweep, start: int, target, spe
       target: the value's id.
       spec: :class:`Pair` of ``[S, *shape]`` rows (``None`` for an unwanted side).
       input_set: the example's set.
-      rounding: relative widening (see :mod:`jaxbundle.certify.ibp`).
       elide: IBP with the specification merged into the last affine equations.
       owners: the rows are packed (:mod:`jaxbundle.certify.packing`; a :class:`Box` set).
-      head: ``(frontier, constants)``, the rows already carried back as far as the
-        activations (:func:`backward` with ``elide``): continue from there.
+      head: the rows already carried back as far as the activations (:func:`backward` with
+        ``elide``): continue from there.
 
     Returns:
       ``(lower, upper)``, each ``[S]`` (``[S, slots]`` packed) or None.
     """
     if head is None:
-        frontier, constants = backward(graph, state, start, {target: spec}, elide=elide,
-                                       owners=owners)
+        carried = backward(graph, state, start, {target: spec}, elide=elide, owners=owners)
     else:
-        frontier, constants = backward(graph, state, start, head[0], owners=owners)
-        constants = _add(head[1], constants)
-    magnitude = state.interval(target).magnitude
-    lower = upper = None
-    for operand, pair in frontier.items():
+        rest = backward(graph, state, start, head.frontier, owners=owners)
+        carried = Carried(rest.frontier, _add(head.constants, rest.constants),
+                          _add(head.errors, rest.errors))
+    terms = {"lower": [], "upper": []}
+    for operand, pair in carried.frontier.items():
         region = input_set if operand == graph.input else Box(
-            *state.interval(operand).bounds(rounding))
+            *state.interval(operand).bounds(state.rounding))
         split = None if owners is None else functools.partial(_dot, owners=owners,
                                                               value_id=operand)
+        minimum = functools.partial(minimise, input_set=region, contract=split,
+                                    rounding=state.rounding)
         if pair.lower is not None:
-            lower = _plus(lower, minimise(pair.lower, region, contract=split))
+            terms["lower"].append(minimum(pair.lower))
         if pair.upper is not None:
-            upper = _plus(upper, -minimise(-pair.upper, region, contract=split))
-    constants = constants or Pair(None, None)
+            terms["upper"].append(-minimum(-pair.upper))
+    constants = carried.constants or Pair(None, None)
+    errors = carried.errors or Pair(None, None)
 
-    def finish(bound, rows, constant):
+    def finish(side, rows, sign):
         if rows is None:
             return None
         shape = rows.shape[:1] if owners is None else (rows.shape[0], owners.slots)
-        bound = _plus(_plus(bound, constant), jnp.zeros(shape, jnp.float32))
-        slack = _dot(jnp.abs(rows), magnitude, owners, target)
-        return bound, jax.lax.stop_gradient(rounding * slack)
+        parts = [t for t in (*terms[side], getattr(constants, side)) if t is not None]
+        bound = sum(parts, jnp.zeros(shape, jnp.float32))
+        if not state.rounding:
+            return bound
+        error = getattr(errors, side)
+        error = jnp.zeros(shape, jnp.float32) if error is None else error
+        total = sum((jnp.abs(t) for t in parts), error)  # the sums' rounding and the last one
+        error = error + rounds.gamma(len(parts) + 3) * total
+        return bound - sign * jax.lax.stop_gradient(error * (1.0 + 4.0 * rounds.UNIT))
 
-    low, high = finish(lower, spec.lower, constants.lower), finish(upper, spec.upper,
-                                                                   constants.upper)
-    return (None if low is None else low[0] - low[1],
-            None if high is None else high[0] + high[1])
+    return finish("lower", spec.lower, 1.0), finish("upper", spec.upper, -1.0)
 
 
-def refinement(graph: graphs.Graph, input_set: Box | BallInBox, *, rounding: float,
-               sparse: bool = True, axis_name: str | None = None) -> ibp.Refine:
+def refinement(graph: graphs.Graph, input_set: Box | BallInBox, *, sparse: bool = True,
+               axis_name: str | None = None) -> ibp.Refine:
     """CROWN bounds on an activation's input (for :func:`jaxbundle.certify.ibp.sweep`): an
     identity specification of its elements, in blocks of rows (:func:`chunk_elements`),
     several elements to a row where their input pixels are disjoint
@@ -325,10 +418,10 @@ def refinement(graph: graphs.Graph, input_set: Box | BallInBox, *, rounding: flo
         equation = graph.equations[index]
         operand = graph.operand(equation)
         packed = packing.pack(graph, operand, found)
-        args = (graph, state, index, operand, input_set, rounding, largest)
+        args = (graph, state, index, operand, input_set, largest)
         if not (sparse and equation.kind == graphs.RELU and operand in behind):
             return _Blocks(*args, packed).bounds()
-        lower, upper = state.interval(operand).bounds(rounding)
+        lower, upper = state.interval(operand).bounds(state.rounding)
         unstable = (lower < 0) & (upper > 0)
 
         def selected():  # each example's unstable neurons, one to a row
@@ -351,9 +444,9 @@ class _Blocks:
     """The rows of an activation input's identity specification, in blocks of ``rows``: one
     element each, or packed (``packed``)."""
 
-    def __init__(self, graph, state, index, operand, input_set, rounding, largest, packed):
+    def __init__(self, graph, state, index, operand, input_set, largest, packed):
         self.graph, self.state, self.index, self.operand = graph, state, index, operand
-        self.input_set, self.rounding, self.packed = input_set, rounding, packed
+        self.input_set, self.packed = input_set, packed
         self.shape = graph.shapes[operand].shape
         self.size = int(np.prod(self.shape))
         members = np.arange(self.size)[:, None] if packed is None else packed.members
@@ -384,8 +477,8 @@ class _Blocks:
         """``(lower, upper)`` of the rows ``chosen``."""
         head = None if self.head is None else _rows(self.head, chosen)
         return linear_bounds(self.graph, self.state, self.index, self.operand,
-                             self.spec(chosen), self.input_set, rounding=self.rounding,
-                             owners=self.owners(chosen), head=head)
+                             self.spec(chosen), self.input_set, owners=self.owners(chosen),
+                             head=head)
 
     def bounds(self, wanted=None):
         """``(lower, upper)`` of every element, or (one to a row) of at least the ``wanted``
@@ -416,8 +509,8 @@ class _Blocks:
         return low[:size].reshape(self.shape), high[:size].reshape(self.shape)
 
 
-def _rows(head, chosen):
-    """The rows ``chosen`` of ``(frontier, constants)`` (:func:`backward`'s)."""
+def _rows(head: Carried, chosen) -> Carried:
+    """The rows ``chosen`` of :func:`backward`'s :class:`Carried`."""
     def take(pair):
         if pair is None:
             return None
@@ -425,8 +518,8 @@ def _rows(head, chosen):
         return Pair(lower, lower if pair.shared else (
             None if pair.upper is None else pair.upper[chosen]))
 
-    frontier, constants = head
-    return {i: take(pair) for i, pair in frontier.items()}, take(constants)
+    return Carried({i: take(pair) for i, pair in head.frontier.items()},
+                   take(head.constants), take(head.errors))
 
 
 def _behind_activation(graph: graphs.Graph) -> frozenset:

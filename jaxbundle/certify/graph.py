@@ -16,6 +16,13 @@ kind:
   versions.
 
 Anything else that depends on ``x`` raises :class:`UnsupportedPrimitive`.
+
+Every equation also records how the model's float32 arithmetic rounds it (:class:`Arithmetic`:
+how many terms an output element sums, in the equation and in its transpose, and the error of
+each product at the precision the model asked for), from which
+:mod:`jaxbundle.certify.rounding` bounds its rounding. ``apply`` computes x-dependent matrix
+products and convolutions at ``Precision.HIGHEST`` whatever precision the model asked for (the
+bound's own arithmetic); x-independent equations run as the model wrote them.
 """
 
 from __future__ import annotations
@@ -28,10 +35,13 @@ import jax
 import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+
+from jaxbundle import arithmetic
 
 __all__ = [
-    "AFFINE", "CONSTANT", "MAXIMUM", "MINIMUM", "RELU", "Constant", "Equation", "Graph",
-    "UnsupportedPrimitive", "trace",
+    "AFFINE", "CONSTANT", "EXACT", "MAXIMUM", "MINIMUM", "RELU", "Arithmetic", "Constant",
+    "Equation", "Graph", "UnsupportedPrimitive", "trace",
 ]
 
 CONSTANT, AFFINE, RELU, MAXIMUM, MINIMUM = "constant", "affine", "relu", "maximum", "minimum"
@@ -71,16 +81,41 @@ class Constant(NamedTuple):
     value: Any
 
 
+class Arithmetic(NamedTuple):
+    """How the model's float32 arithmetic rounds one x-dependent equation.
+
+    Attributes:
+      terms: the most terms one output element is a rounded sum of: a matrix product's or
+        convolution's contraction length, a sum's count; 1 for one rounding (a sum of two, a
+        product by a fixed value), 2 for a quotient (which XLA may compute as a product by the
+        reciprocal); 0 where the equation is exact (reshapes, slices, selections, negation).
+      back: the same for the equation's transpose, what CROWN's backward pass computes (a
+        broadcast's transpose sums the broadcast copies, a convolution's sums output features
+        times taps; max pooling's routes sum overlapping windows).
+      product: the relative error of each product at the precision the model computes it
+        (:data:`jaxbundle.arithmetic.PRODUCT_ERROR`; 0 where nothing is a matrix product).
+    """
+
+    terms: int = 0
+    back: int = 0
+    product: float = 0.0
+
+
+EXACT = Arithmetic()
+
+
 class Equation(NamedTuple):
     """One step of the flat program.
 
     Attributes:
       name: the primitive's name (``"relu"`` for the ReLUs the rewrites introduce).
       kind: ``CONSTANT``, ``AFFINE``, ``RELU``, ``MAXIMUM`` or ``MINIMUM``.
-      apply: ``apply(*input_values) -> list`` of output values, exactly as the model computes.
+      apply: ``apply(*input_values) -> list`` of output values, as the model computes them
+        (x-dependent matrix products and convolutions at ``Precision.HIGHEST``).
       inputs: value ids (``int``) or :class:`Constant` operands.
       outputs: value ids.
       source: ``"file.py:12"`` where the model computes it, or ``""``.
+      arithmetic: how the model rounds it (:class:`Arithmetic`).
     """
 
     name: str
@@ -89,6 +124,7 @@ class Equation(NamedTuple):
     inputs: tuple
     outputs: tuple[int, ...]
     source: str
+    arithmetic: Arithmetic = EXACT
 
 
 class Graph(NamedTuple):
@@ -124,14 +160,17 @@ class Graph(NamedTuple):
 
 def trace(apply_fn: Callable, params: Any, shape: tuple[int, ...]) -> Graph:
     """The flat program of ``apply_fn(params, x)`` for one example ``x`` of ``shape``
-    (``[1, H, W, C]``, float32); ``params`` may be arrays, tracers or ShapeDtypeStructs.
+    (``[1, H, W, C]``, float32); ``params`` may be arrays, tracers or ShapeDtypeStructs. Traced
+    as the judge runs the model (:func:`jaxbundle.arithmetic.stated`): a matrix product without
+    a precision of its own at ``Precision.HIGHEST``.
 
     Raises:
       UnsupportedPrimitive: naming the first operation on ``x`` that cannot be bounded.
     """
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)),
                             params)
-    closed = jax.make_jaxpr(apply_fn)(abstract, jax.ShapeDtypeStruct(shape, jnp.float32))
+    with arithmetic.stated():  # the model as the judge computes it
+        closed = jax.make_jaxpr(apply_fn)(abstract, jax.ShapeDtypeStruct(shape, jnp.float32))
     builder = _Builder()
     leaves = [builder.new(v.aval) for v in closed.jaxpr.invars]
     x = leaves[-1]
@@ -161,9 +200,16 @@ def _unsupported(name: str, source: str, why: str = "") -> UnsupportedPrimitive:
     )
 
 
-def _bind(eqn) -> Callable[..., list]:
+_HIGHEST = (lax.Precision.HIGHEST, lax.Precision.HIGHEST)
+
+
+def _bind(eqn, highest: bool = False) -> Callable[..., list]:
+    """``eqn`` as a function of its inputs; with ``highest``, a matrix product or convolution
+    at ``Precision.HIGHEST`` whatever precision it was traced with."""
     bound = eqn.primitive.get_bind_params(eqn.params)  # (subfuns, params) before JAX 0.8
     subfuns, params = bound if isinstance(bound, tuple) else ((), bound)
+    if highest and "precision" in params:
+        params = {**params, "precision": _HIGHEST}
 
     def apply(*args):
         with eqn.ctx.manager:
@@ -194,6 +240,62 @@ def _fn(function: Callable) -> Callable[..., list]:
     return lambda *args: [function(*args)]
 
 
+def _size(shape) -> int:
+    return int(np.prod(shape, dtype=np.int64))
+
+
+# The x-dependent equations that move, select or negate values without rounding them.
+_MOVES = frozenset({
+    "reshape", "transpose", "squeeze", "expand_dims", "slice", "dynamic_slice", "pad", "rev",
+    "concatenate", "convert_element_type", "copy", "copy_p", "select_n", "split", "neg",
+    "dynamic_update_slice", "sharding_constraint", "stop_gradient",
+})
+
+
+def _arithmetic(name: str, params: dict, shapes: list, dependent: list[bool],
+                out_shape) -> Arithmetic:
+    """How the model's float32 arithmetic rounds an x-dependent equation (:class:`Arithmetic`):
+    ``shapes`` are its inputs' shapes, ``dependent`` which of them depend on ``x``."""
+    if name in _MOVES:
+        return EXACT
+    if name in ("add", "add_any", "sub"):
+        return Arithmetic(1, 0)
+    if name == "mul":
+        return Arithmetic(1, 1)
+    if name == "div":
+        return Arithmetic(2, 2)
+    if name == "reduce_sum":
+        return Arithmetic(_size([shapes[0][a] for a in params["axes"]]), 0)
+    if name in ("reduce_window_sum", "reduce_window_max", "reduce_window_min"):
+        window = _size(params["window_dimensions"])
+        return Arithmetic(window if name == "reduce_window_sum" else 0, window)
+    if name in ("reduce_max", "reduce_min"):
+        return Arithmetic(0, 1)
+    if name == "cumsum":
+        length = shapes[0][params["axis"]]
+        return Arithmetic(length, length)
+    if name == "broadcast_in_dim":
+        return Arithmetic(0, max(_size(out_shape) // max(_size(shapes[0]), 1), 1))
+    if name == "gather":  # its transpose adds the rows gathered more than once
+        return Arithmetic(0, _size(out_shape))
+    if name == "scatter-add":
+        return Arithmetic(_size(shapes[-1]), 0)
+    product = arithmetic.product_error(params.get("precision"))
+    if name == "dot_general":
+        (contract_l, contract_r), (batch_l, batch_r) = params["dimension_numbers"]
+        terms = _size([shapes[0][d] for d in contract_l])
+        other, skip = (shapes[1], (*contract_r, *batch_r)) if dependent[0] else (
+            shapes[0], (*contract_l, *batch_l))
+        return Arithmetic(terms, _size([n for d, n in enumerate(other) if d not in skip]),
+                          product)
+    if name == "conv_general_dilated":
+        kernel, spec = shapes[1], params["dimension_numbers"].rhs_spec
+        taps = _size([kernel[d] for d in spec[2:]])
+        back = kernel[spec[0]] * taps if dependent[0] else _size(out_shape)
+        return Arithmetic(kernel[spec[1]] * taps, back, product)
+    raise ValueError(f"no rounding model for `{name}`")  # every affine primitive has one
+
+
 class _Builder:
     """Mutable only while :func:`trace` builds one :class:`Graph`."""
 
@@ -210,9 +312,13 @@ class _Builder:
         self.shapes[index] = jax.ShapeDtypeStruct(aval.shape, aval.dtype)
         return index
 
-    def emit(self, name, kind, apply, inputs, avals, source) -> list[int]:
+    def emit(self, name, kind, apply, inputs, avals, source, params=None) -> list[int]:
+        rounds = EXACT
+        if kind in (AFFINE, MAXIMUM, MINIMUM):
+            rounds = _arithmetic(name, params or {}, [self.aval(i).shape for i in inputs],
+                                 [self.dependent(i) for i in inputs], avals[0].shape)
         outputs = tuple(self.new(a) for a in avals)
-        equation = Equation(name, kind, apply, tuple(inputs), outputs, source)
+        equation = Equation(name, kind, apply, tuple(inputs), outputs, source, rounds)
         self.equations.append(equation)
         for o in outputs:
             self.producer[o] = equation
@@ -285,7 +391,8 @@ class _Builder:
             parts = [self.relu(v, avals[0], source) for v in (inputs[0], negated)]
             return self.emit("add", AFFINE, _fn(jnp.add), parts, avals, source)
         if name in _EXTREMA:
-            return self.emit(name, _EXTREMA[name], _bind(eqn), inputs, avals, source)
+            return self.emit(name, _EXTREMA[name], _bind(eqn), inputs, avals, source,
+                             eqn.params)
         affine = (
             name in _POSITIVE and not any(
                 d and not jnp.issubdtype(self.aval(i).dtype, jnp.floating)
@@ -303,7 +410,8 @@ class _Builder:
         key = (name, tuple(i if isinstance(i, int) else id(i.value) for i in inputs),
                str(sorted(eqn.params.items())))
         if key not in self.seen:
-            self.seen[key] = self.emit(name, AFFINE, _bind(eqn), inputs, avals, source)
+            self.seen[key] = self.emit(name, AFFINE, _bind(eqn, highest=True), inputs, avals,
+                                       source, eqn.params)
         return self.seen[key]
 
     def relu(self, operand, aval, source) -> int:

@@ -15,15 +15,13 @@ triangle inequality like IBP's radii. The activation's input is bounded by the t
 two (the first layer's bound of Gowal et al.'s L2 IBP and auto_LiRPA's; the Linf hull alone
 leaves L2 certification by IBP and CROWN-IBP near nothing).
 
-Float32 rounding. Next to each interval the sweep carries a magnitude ``m``: the same
-propagation with every fixed operand replaced by its absolute value, restarted at every
-activation from the bounds of its output, so that ``m`` bounds the sum of the absolute values of
-the terms each layer's values are computed from. Every bound the package returns or relaxes
-with is widened by ``rounding * m`` (see :func:`rounding_for`): rounding in float32 sums is a
-few ulps of that sum per operation, in the model's own forward pass and in the bound's
-computation. It is a margin for float32's rounding as it occurs, not a worst-case proof (the
-worst case, a product of ``|W|`` over the layers, is orders of magnitude above any observed
-error and left nothing certified on the demo CNNs); docs/certify.md says so.
+Float32 rounding (:mod:`jaxbundle.certify.rounding`). Each affine equation's interval is widened
+by its rounding slack, a bound on the model's rounding of it and the bound's own, from the
+equation with absolute weights applied to its inputs' magnitudes (``|center| + radius``): the
+interval then holds the model's float32 value at every point of the input set, and every bound
+read from it is rounded outward. ``error`` keeps the part of the radius that is rounding since
+the last activation (the complete mode's MIP relaxes each pre-activation by it); CROWN adds each
+equation's slack where its backward pass crosses the equation.
 """
 
 from __future__ import annotations
@@ -34,42 +32,38 @@ import jax
 import jax.numpy as jnp
 
 from jaxbundle.certify import graph as graphs
+from jaxbundle.certify import rounding as rounds
 from jaxbundle.certify.sets import BallInBox, Box, hull
 
-__all__ = [
-    "ROUNDING_PER_EQUATION", "Ball", "Interval", "Sweep", "absolute", "interval_of",
-    "rounding_for", "sweep",
-]
-
-# Widening per x-dependent equation, relative to the magnitude: 2**7 ulps of float32. Sums of n
-# terms round by about sqrt(n) ulps of their absolute sum in practice (at most n - 1 in the
-# worst case), so this covers contractions of up to 16k terms in practice, 128 in the worst case.
-ROUNDING_PER_EQUATION = 2.0**-17
-
-
-def rounding_for(graph: graphs.Graph) -> float:
-    """The relative widening of a graph's bounds: :data:`ROUNDING_PER_EQUATION` for every
-    x-dependent equation (rounding accumulates along the program)."""
-    return ROUNDING_PER_EQUATION * sum(e.kind != graphs.CONSTANT for e in graph.equations)
+__all__ = ["Ball", "Interval", "Sweep", "absolute", "error_of", "interval_of", "sweep"]
 
 
 class Interval(NamedTuple):
-    """``center - radius <= value <= center + radius``; ``magnitude`` >= ``|center| + radius``
-    bounds the absolute sum of the terms the value is computed from. Arrays of its shape."""
+    """``center - radius <= value <= center + radius`` (exactly, in real arithmetic) for the
+    model's float32 value at every point of the input set. ``error`` (None: none): how far the
+    model's float32 value may be from the exact result of the equations since the last
+    activation, and their coefficients carried back through them from their own rounding
+    (what the complete mode's program is relaxed by). Arrays of its shape."""
 
     center: jax.Array
     radius: jax.Array
-    magnitude: jax.Array
+    error: jax.Array | None = None
 
-    def bounds(self, rounding: float) -> tuple[jax.Array, jax.Array]:
-        """``(lower, upper)`` widened by ``rounding * magnitude``."""
-        slack = jax.lax.stop_gradient(rounding * self.magnitude)
-        return self.center - self.radius - slack, self.center + self.radius + slack
+    def bounds(self, rounding: bool = True) -> tuple[jax.Array, jax.Array]:
+        """``(lower, upper)``, rounded outward with ``rounding``."""
+        lower, upper = self.center - self.radius, self.center + self.radius
+        return rounds.outward(lower, upper) if rounding else (lower, upper)
+
+    def magnitude(self) -> jax.Array:
+        """An upper bound on ``|value|`` (:func:`jaxbundle.certify.rounding.magnitude`)."""
+        return rounds.magnitude(self.center, self.radius)
 
 
 class Ball(NamedTuple):
-    """Over an L2 ball, ``|value - center| <= radius`` elementwise, for a value affine in the
-    input with no activation between (``radius = eps |A_i|_2``, ``A`` the map's matrix).
+    """Over an L2 ball, ``|value - center| <= radius + error`` elementwise, for a value affine
+    in the input with no activation between (``radius = eps |A_i|_2``, ``A`` the map's
+    matrix, ``error`` the rounding of the model's float32 value and of ``center`` and
+    ``radius`` themselves).
 
     ``orthogonal``: the rows ``A_i`` are multiples of distinct unit vectors (the input scaled,
     reshaped, sliced or padded), so a weighted sum's row norm is the root of the sum of its
@@ -78,11 +72,17 @@ class Ball(NamedTuple):
     center: jax.Array
     radius: jax.Array
     orthogonal: bool
+    error: jax.Array
 
 
-def interval_of(lower: jax.Array, upper: jax.Array, magnitude: jax.Array) -> Interval:
-    """The interval ``[lower, upper]`` in center/radius form."""
-    return Interval(0.5 * (lower + upper), 0.5 * (upper - lower), magnitude)
+def interval_of(lower: jax.Array, upper: jax.Array, rounding: bool = True) -> Interval:
+    """The interval ``[lower, upper]`` in center/radius form (with ``rounding``, a radius that
+    covers both ends exactly whatever the center's rounding)."""
+    center = 0.5 * (lower + upper)
+    if not rounding:
+        return Interval(center, 0.5 * (upper - lower))
+    reach = jnp.maximum(upper - center, center - lower)
+    return Interval(center, reach * (1.0 + 4.0 * rounds.UNIT) + rounds.FLOOR)
 
 
 class Sweep(NamedTuple):
@@ -92,15 +92,21 @@ class Sweep(NamedTuple):
       values: id -> value of every x-independent value (parameters, constants, their results).
       intervals: id -> :class:`Interval` of every x-dependent value.
       pre: equation index -> ``(lower, upper)`` of the (x-dependent) input of each ReLU,
-        max or min equation, widened: what its relaxation uses.
+        max or min equation, rounded outward: what its relaxation uses.
       balls: id -> :class:`Ball` of the values before any activation, on an L2 set (empty on
         a box).
+      slack: id -> the rounding slack of the affine equation that computes it where CROWN's
+        rows cross it (elementwise; :func:`jaxbundle.certify.rounding.slack`); empty without
+        rounding.
+      rounding: whether the bounds allow for float32's rounding.
     """
 
     values: dict
     intervals: dict
     pre: dict
     balls: dict
+    slack: dict
+    rounding: bool
 
     def value(self, operand):
         """The value of an x-independent operand (an id or a ``Constant``)."""
@@ -111,14 +117,14 @@ class Sweep(NamedTuple):
         if operand in self.intervals:
             return self.intervals[operand]
         value = jnp.asarray(self.value(operand), jnp.float32)
-        return Interval(value, jnp.zeros_like(value), jnp.abs(value))
+        return Interval(value, jnp.zeros_like(value))
 
 
 Refine = Callable[[int, "Sweep"], "tuple[jax.Array, jax.Array]"]
 
 
-def sweep(graph: graphs.Graph, arguments: list, region: Box | BallInBox, *, rounding: float,
-          refine: Refine | None = None) -> Sweep:
+def sweep(graph: graphs.Graph, arguments: list, region: Box | BallInBox, *,
+          rounding: bool = True, refine: Refine | None = None) -> Sweep:
     """IBP through ``graph`` for one example.
 
     Args:
@@ -127,7 +133,8 @@ def sweep(graph: graphs.Graph, arguments: list, region: Box | BallInBox, *, roun
       region: the input set, ``[1, H, W, C]`` arrays: a :class:`~jaxbundle.certify.sets.Box`,
         or an L2 :class:`~jaxbundle.certify.sets.BallInBox` (its hull, and its :class:`Ball`
         up to the first activation).
-      rounding: relative widening (:func:`rounding_for`; 0 gives the papers' exact formulas).
+      rounding: allow for float32's rounding (:mod:`jaxbundle.certify.rounding`); False gives
+        the papers' formulas in real arithmetic, for comparisons.
       refine: ``refine(index, sweep_so_far) -> (lower, upper)``, other sound bounds on the input
         of activation equation ``index`` (CROWN's), intersected with IBP's.
 
@@ -137,13 +144,13 @@ def sweep(graph: graphs.Graph, arguments: list, region: Box | BallInBox, *, roun
     values = dict(graph.constants)
     values.update(zip(graph.arguments, arguments))
     box = hull(region)
-    magnitude = jnp.maximum(jnp.abs(box.lower), jnp.abs(box.upper))
-    intervals = {graph.input: interval_of(box.lower, box.upper, magnitude)}
+    intervals = {graph.input: interval_of(box.lower, box.upper, rounding)}
     balls = {}
     if isinstance(region, BallInBox):
         balls[graph.input] = Ball(region.center,
-                                  jnp.broadcast_to(region.radius, region.center.shape), True)
-    state = Sweep(values, intervals, {}, balls)
+                                  jnp.broadcast_to(region.radius, region.center.shape), True,
+                                  jnp.zeros_like(region.center))
+    state = Sweep(values, intervals, {}, balls, {}, rounding)
     for index, equation in enumerate(graph.equations):
         if equation.kind == graphs.CONSTANT:
             outputs = equation.apply(*(state.value(i) for i in equation.inputs))
@@ -155,32 +162,44 @@ def sweep(graph: graphs.Graph, arguments: list, region: Box | BallInBox, *, roun
             operand = graph.operand(equation)
             lower, upper = intervals[operand].bounds(rounding)
             if operand in balls:
-                lower, upper = _within(balls[operand], intervals[operand], lower, upper,
-                                       rounding)
+                lower, upper = _within(balls[operand], lower, upper, rounding)
             if refine is not None:
                 better_lower, better_upper = refine(index, state)
                 lower, upper = jnp.maximum(lower, better_lower), jnp.minimum(upper, better_upper)
             state.pre[index] = (lower, upper)
-            # Each layer's sums round in proportion to the values they sum: the magnitude
-            # restarts at every activation from its output's own bounds, 0 for a ReLU that
-            # is off (a product of |weights| through every layer would measure the worst case
-            # of an error nobody meets, and certified nothing on the demo CNNs).
-            intervals[equation.outputs[0]] = _activation(equation, lower, upper)
+            intervals[equation.outputs[0]] = _activation(equation, lower, upper, rounding)
     return state
 
 
+def error_of(interval: Interval) -> jax.Array:
+    """The interval's rounding error since the last activation (zeros for none)."""
+    return jnp.zeros_like(interval.center) if interval.error is None else interval.error
+
+
 def _affine(graph, state: Sweep, equation) -> list[Interval]:
+    """The outputs' intervals: the equation on the centers, ``|op|`` on the radii, and with
+    rounding each output's slack (:func:`jaxbundle.certify.rounding.slack`) added: an
+    interval's to its radius, a crossing's to its error (and kept in ``state.slack``)."""
     dependent = [graph.dependent(i) for i in equation.inputs]
 
-    def pick(field):
-        return [getattr(state.intervals[i], field) if d else state.value(i)
+    def pick(read):
+        return [read(state.intervals[i]) if d else state.value(i)
                 for i, d in zip(equation.inputs, dependent)]
 
-    centers = equation.apply(*pick("center"))
-    radii = absolute(equation, pick("radius"), dependent, constants=False)
-    magnitudes = absolute(equation, pick("magnitude"), dependent, constants=True)
-    magnitudes = [jax.lax.stop_gradient(m) for m in magnitudes]
-    return [Interval(*parts) for parts in zip(centers, radii, magnitudes)]
+    centers = equation.apply(*pick(lambda v: v.center))
+    radii = absolute(equation, pick(lambda v: v.radius), dependent, constants=False)
+    if not state.rounding:
+        return [Interval(c, r) for c, r in zip(centers, radii)]
+    magnitudes = absolute(equation, pick(Interval.magnitude), dependent, constants=True)
+    widths = [rounds.slack(equation.arithmetic, m, crossing=False) for m in magnitudes]
+    slacks = [rounds.slack(equation.arithmetic, m, crossing=True) for m in magnitudes]
+    state.slack.update(zip(equation.outputs, slacks))
+    errors = slacks
+    if any(d and state.intervals[i].error is not None
+           for i, d in zip(equation.inputs, dependent)):
+        carried = absolute(equation, pick(error_of), dependent, constants=False)
+        errors = [c + s for c, s in zip(carried, slacks)]
+    return [Interval(c, r + w, e) for c, r, w, e in zip(centers, radii, widths, errors)]
 
 
 # Affine equations that move each element of their x-dependent input to at most one place
@@ -194,7 +213,9 @@ _ELEMENTWISE = frozenset({"mul", "div", "neg", "add", "sub", "select_n"})
 
 
 def _ball(graph, state: Sweep, equation) -> list[Ball]:
-    """The outputs' :class:`Ball` each, where every x-dependent input has one (else none)."""
+    """The outputs' :class:`Ball` each, where every x-dependent input has one (else none). With
+    rounding, each output's error is the inputs' carried through ``|op|`` plus the equation's
+    slack at the balls' own magnitudes (``|center| + radius + error``)."""
     dependent = [graph.dependent(i) for i in equation.inputs]
     balls = [state.balls.get(i) for i, d in zip(equation.inputs, dependent) if d]
     if not all(balls):
@@ -215,16 +236,24 @@ def _ball(graph, state: Sweep, equation) -> list[Ball]:
         radii = absolute(equation, arguments(b.radius for b in balls), dependent,
                          constants=False)
         keep = False
-    return [Ball(c, r, keep) for c, r in zip(centers, radii)]
+    if not state.rounding:
+        return [Ball(c, r, keep, jnp.zeros_like(c)) for c, r in zip(centers, radii)]
+    reach = [rounds.magnitude(b.center, b.radius + b.error) for b in balls]
+    magnitudes = absolute(equation, arguments(reach), dependent, constants=True)
+    carried = absolute(equation, arguments(b.error for b in balls), dependent, constants=False)
+    errors = [e + rounds.slack(equation.arithmetic, m, crossing=False)
+              for e, m in zip(carried, magnitudes)]
+    return [Ball(c, r, keep, e) for c, r, e in zip(centers, radii, errors)]
 
 
-def _within(ball: Ball, interval: Interval, lower, upper, rounding):
-    """``[lower, upper]`` intersected with the ball's bounds, widened for rounding like the
-    interval's (by the larger magnitude)."""
-    slack = jax.lax.stop_gradient(
-        rounding * jnp.maximum(interval.magnitude, jnp.abs(ball.center) + ball.radius))
-    return (jnp.maximum(lower, ball.center - ball.radius - slack),
-            jnp.minimum(upper, ball.center + ball.radius + slack))
+def _within(ball: Ball, lower, upper, rounding: bool):
+    """``[lower, upper]`` intersected with the ball's bounds (rounded outward with
+    ``rounding``)."""
+    reach = ball.radius + ball.error
+    low, high = ball.center - reach, ball.center + reach
+    if rounding:
+        low, high = rounds.outward(low, high)
+    return jnp.maximum(lower, low), jnp.minimum(upper, high)
 
 
 def absolute(equation, arguments: list, dependent: list[bool], *, constants: bool,
@@ -249,12 +278,11 @@ def absolute(equation, arguments: list, dependent: list[bool], *, constants: boo
     return equation.apply(*args)
 
 
-def _activation(equation, lower, upper) -> Interval:
-    """The interval of a monotone activation's output from its input's ``[lower, upper]``, its
-    magnitude the output's own bound on its absolute value."""
+def _activation(equation, lower, upper, rounding: bool) -> Interval:
+    """The interval of a monotone activation's output from its input's ``[lower, upper]``
+    (exact: ReLU and max pooling do not round), with no rounding error carried."""
     if equation.kind == graphs.RELU:
         low, high = jnp.maximum(lower, 0.0), jnp.maximum(upper, 0.0)
     else:
         (low,), (high,) = equation.apply(lower), equation.apply(upper)
-    magnitude = jax.lax.stop_gradient(jnp.maximum(jnp.abs(low), jnp.abs(high)))
-    return interval_of(low, high, magnitude)
+    return interval_of(low, high, rounding)

@@ -42,6 +42,9 @@ class ReluProgram:
         CROWN or IBP); neurons with ``pre_lower >= 0`` or ``pre_upper <= 0`` are stable.
       margins: ``[m]`` the margins ``z_y - z_j`` for every wrong class ``j``, an :class:`Affine`.
       classes: ``[m]`` the wrong class ``j`` of each margin row.
+      pre_slack: per layer, how far the model's float32 pre-activation may be from the
+        :class:`Affine`'s exact value (its rounding, and the maps' own); empty: none.
+      margin_slack: ``[m]`` the same for the margins; None: none.
     """
 
     lower: np.ndarray
@@ -52,3 +55,5 @@ class ReluProgram:
     pre_upper: tuple[np.ndarray, ...]
     margins: Affine
     classes: np.ndarray
+    pre_slack: tuple[np.ndarray, ...] = ()
+    margin_slack: np.ndarray | None = None

@@ -10,8 +10,9 @@ Verifiably Robust Models"), mixed with the natural cross-entropy::
 where ``m_j <= z_y - z_j`` is a lower bound on margin ``j`` over the Linf ball of radius eps
 around ``x`` (clipped to ``[0, 1]``), with ``m_y = 0``: the logits an adversary could reach at
 worst, up to a shift, since CE depends only on logit differences. The bounds are the library's
-own (:func:`jaxbundle.certify.bounds.margin_bounds`), so the model is trained against exactly
-the bounds that later certify it. For ``"crown-ibp"`` the bound is ``beta * crown_ibp + (1 -
+own (:func:`jaxbundle.certify.bounds.margin_bounds`), so the model is trained against the
+bounds that later certify it (in real arithmetic: the allowance for float32's rounding, which a
+loss does not need, is left to the certificate). For ``"crown-ibp"`` the bound is ``beta * crown_ibp + (1 -
 beta) * ibp`` (Zhang et al. 2020, "Towards Stable and Efficient Training of Verifiably Robust
 Neural Networks"); once ``beta`` reaches 0 the CROWN pass is skipped.
 
@@ -80,8 +81,9 @@ def worst_case_logits(apply_fn: Callable[[Any, jax.Array], jax.Array], params: A
     if method not in METHODS:
         raise ValueError(f"verified training method must be one of {METHODS}; got {method!r}")
 
-    def margins(bound_method: str) -> jax.Array:
-        return bounds.margin_bounds(apply_fn, params, x, y, eps=eps, method=bound_method)
+    def margins(bound_method: str) -> jax.Array:  # the papers' formulas: a loss, no proof
+        return bounds.margin_bounds(apply_fn, params, x, y, eps=eps, method=bound_method,
+                                    rounding=False)
 
     margin = margins("ibp")
     if method == "crown-ibp":
