@@ -48,11 +48,16 @@ best candidate (``per_example["attack_step"]``) on the examples it did not fool:
 With ``certify`` (:mod:`jaxbundle.certify`, :func:`add_certified`):
 
 ``certified_and_fooled``
-    An example certified robust was also fooled by an attack. A sound bound and a sound judge
-    never allow it: it is a bug, and the check must always pass.
+    An example certified robust was also fooled by an attack (or is misclassified clean); in
+    the complete mode the bound's own verdict counts too, before the MIP. A sound bound and a
+    sound judge never allow it: it is a bug, and the check must always pass.
+``bound_above_model``
+    The certified bound on the smallest margin over the ball is above the model's own margin
+    at the clean image, a point of the ball: the bound is not the model's.
 ``missed_by_attacks`` (the complete mode)
-    The exact MIP found an adversarial example where no attack did: the bundled figure is
-    higher than the truth by at least these examples.
+    The exact MIP found an adversarial example of the judged threat model (on 8-bit data, a
+    grid image) where no attack did: the bundled figure is higher than the truth by at least
+    these examples.
 
 Two more, where the job computes what they need (:func:`add`):
 
@@ -149,9 +154,16 @@ _TEXT = {
         "never the model)",
         "report it with the model and the example; trust neither figure until it is found",
     ),
+    "bound_above_model": (
+        "a certified bound on the smallest margin is above the model's own margin at the clean "
+        "image: the bound is not the model's (a bug, or a model that is not the function "
+        "certification traced, e.g. one drawing random numbers from a key it holds)",
+        "report it with the model and the example; a model with randomness must be declared "
+        "with jaxbundle.stochastic",
+    ),
     "missed_by_attacks": (
-        "the complete mode proved an adversarial example exists that no attack found: the "
-        "bundled figure is too high",
+        "the complete mode proved an adversarial example of the judged threat model exists "
+        "that no attack found: the bundled figure is too high",
         "more restarts or steps, other attacks (the example ids are in exact_status)",
     ),
     "non_monotone": (
@@ -345,15 +357,23 @@ def add(metrics: dict, per_example: dict[str, np.ndarray], name: str, flags: np.
 
 
 def add_certified(metrics: dict, per_example: dict[str, np.ndarray]) -> None:
-    """Adds the checks of a certified run (:mod:`jaxbundle.certify`): ``certified_and_fooled``
-    (must never fire) and, with the complete mode, ``missed_by_attacks``."""
-    certified = per_example["certified"].astype(bool)
-    add(metrics, per_example, "certified_and_fooled",
-        certified & per_example["success"].astype(bool),
-        "{count} examples were both certified robust and fooled by an attack")
-    if "exact_status" in per_example:
-        from jaxbundle.certify.run import missed_by_attacks
+    """Adds the checks of a certified run (:mod:`jaxbundle.certify`): for a bound (not
+    smoothing, which certifies another classifier) ``certified_and_fooled`` and
+    ``bound_above_model`` (must never fire) and, with the complete mode,
+    ``missed_by_attacks``."""
+    from jaxbundle.certify import run as certify_run
 
-        add(metrics, per_example, "missed_by_attacks", missed_by_attacks(per_example),
+    if "bound_margin" not in per_example:  # smoothing
+        return
+    add(metrics, per_example, "certified_and_fooled",
+        certify_run.certified_and_fooled(per_example),
+        "{count} examples were both certified robust and fooled by an attack (or misclassified "
+        "clean)")
+    add(metrics, per_example, "bound_above_model", certify_run.bound_above_model(per_example),
+        "for {count} examples the certified bound on the margin is above the model's own margin "
+        "at the clean image")
+    if "exact_status" in per_example:
+        add(metrics, per_example, "missed_by_attacks",
+            certify_run.missed_by_attacks(per_example),
             "the complete mode found an adversarial example for {count} examples that no "
             "attack fooled")

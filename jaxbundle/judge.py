@@ -23,6 +23,11 @@ stretching), so query counts stay exact.
 
 Modes (``judging=``): ``"auto"`` (default) as above; ``"grid"`` the same but every clean image
 must be on the grid (a clear error otherwise); ``"float"`` everything in float32.
+
+Every verdict (the clean prediction, the judged candidates) is computed with the model's matrix
+products at float32 ``Precision.HIGHEST`` (:mod:`jaxbundle.arithmetic`), whatever the backend's
+default (TF32 on GPUs, one bfloat16 pass on TPUs): the arithmetic a certificate is a statement
+about, and the same on every backend. The attacks search at the default.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
+from jaxbundle import arithmetic
 from jaxbundle import goals as goals_lib
 from jaxbundle import norms
 from jaxbundle.attacks.base import WhiteBoxModel
@@ -99,7 +105,8 @@ def quantize_min_norm(
         return norms.quantize(norms.project_box(x0 + s * (x - x0)), x0)
 
     def fooled(images):
-        return jnp.argmax(model.logits(images), axis=-1) != y
+        with arithmetic.stated():
+            return jnp.argmax(model.logits(images), axis=-1) != y
 
     def next_factor(carry):
         i, chosen, need = carry
@@ -124,9 +131,10 @@ def judged_score(
     success rate is the fraction of calls that misclassify, ``misclassified`` is ``rate >
     threshold`` (the model's, :class:`jaxbundle.sampling.Stochastic`), margin and
     wrong-class confidence are the calls' means and the prediction is the class of highest
-    mean probability.
+    mean probability. The model's matrix products run at :data:`jaxbundle.arithmetic.PRECISION`.
     """
-    samples = model.sample_logits(x)  # [S, B, K]
+    with arithmetic.stated():
+        samples = model.sample_logits(x)  # [S, B, K]
     finite = jnp.all(jnp.isfinite(samples), axis=(0, 2))
     if not model.stochastic:
         return goals_lib.score(x, samples[0], x0, y, norm), finite

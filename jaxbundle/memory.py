@@ -89,8 +89,9 @@ def auto_batch_size(attacks: Sequence[Any], restart_mode: str, apply_fn: Callabl
                     free: int | None = None) -> int:
     """The largest batch (a multiple of ``devices``, each holding an equal share) whose
     evaluation takes at most :data:`FRACTION` of each device's ``free`` memory
-    (:func:`free_bytes`), between ``devices`` and :data:`MAX_BATCH`."""
+    (:func:`free_bytes`), between ``devices`` and :data:`MAX_BATCH` (the largest multiple of
+    ``devices`` up to it, for 3, 6 or 12 devices too)."""
     per_example, fixed = per_example_bytes(attacks, restart_mode, apply_fn, params, image_shape)
     free = free_bytes() if free is None else free
     per_device = int((FRACTION * free - fixed) // per_example)
-    return max(devices, min(MAX_BATCH, per_device * devices))
+    return max(devices, min(MAX_BATCH // devices, per_device) * devices)

@@ -76,6 +76,9 @@ def certified_rows(metrics: dict) -> list[tuple[str, str, str]]:
     c = metrics.get("certified")
     if not c:
         return []
+    if c["interval"] is None:  # smoothing: another classifier, no interval
+        return [(f"certified ({c['method']}, smoothed classifier)",
+                 number(c["certified_robust_accuracy"]), "")]
     clean = metrics["clean_accuracy"]
     low, high = c["interval"]
     return [

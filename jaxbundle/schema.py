@@ -75,9 +75,11 @@ MODEL_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("judging", "{mode, grid_examples, float_examples, grid_radius, statement}: how successes "
      "were judged", ""),
     ("data", "{name, n}", ""),
-    ("model_dtype", "{logits, params, compute, statement}: the dtype of the model's logits, of "
-     "its parameters and of its matrix products and convolutions (margins and judging use the "
-     "logits widened to float32 exactly)", ""),
+    ("model_dtype", "{logits, params, compute, precision, statement}: the dtype of the "
+     "model's logits, of its parameters and of its matrix products and convolutions (margins "
+     "and judging use the logits widened to float32 exactly), the precisions the model sets "
+     "on them itself, and the arithmetic of the verdicts (float32 Precision.HIGHEST, "
+     "jaxbundle.arithmetic)", ""),
     ("checks", "{check: {passed, saw, means, advice, examples}} (jaxbundle.checks)", ""),
     ("check_flag_names", "the columns of the per-example check_flags", ""),
     ("operating_characteristic", "{grid: [D], white_box | black_box | bundled: [P(D)]} "
@@ -97,11 +99,14 @@ MODEL_FIELDS: tuple[tuple[str, str, str], ...] = (
      "mean_selection_success_rate, mean_clean_success_rate, heldout_calls_per_example, "
      "robust_accuracy_at_threshold}",
      "a deterministic model"),
-    ("certified", "{method, radius: {grid, float}, certified_robust_accuracy, interval: "
-     "[certified, bundled] robust accuracy, undecided (robust under attack, not certified), "
-     "certified_and_fooled (always 0), exact: {certified, attacked, unknown, "
-     "missed_by_attacks} (complete mode), seconds, statement}: the certified lower bound "
-     "(jaxbundle.certify)", "without --certify"),
+    ("certified", "{method, classifier (model; smoothing: smoothed), radius: {grid, float}, "
+     "arithmetic (the precision the certificates hold at: highest), "
+     "certified_robust_accuracy, interval: [certified, bundled] robust accuracy, undecided "
+     "(robust under attack, not certified), certified_and_fooled and bound_above_model "
+     "(always 0), exact: {certified, attacked, unknown, off_grid, bound_certified, "
+     "missed_by_attacks} (complete mode), smoothed: {clean_accuracy, abstained} (smoothing, "
+     "whose classifier is not the attacked one: no interval), seconds, statement}: the "
+     "certified lower bound (jaxbundle.certify)", "without --certify"),
     ("model", "where the model came from (demo:NAME or MODULE:FUNCTION)", "the API"),
     ("shifts", "{clean_accuracy, shift: {severity: {accuracy, relative_robustness}}}",
      "--no-shifts, or the API"),
@@ -156,11 +161,15 @@ PER_EXAMPLE: tuple[tuple[str, str], ...] = (
     ("certified", "with --certify: bool, certified robust at the radius the judge accepts"),
     ("bound_margin", "with --certify (a bound method): a lower bound on the smallest "
      "wrong-class margin z_y - z_j over the input set; > 0: certified"),
+    ("clean_margin", "with --certify (a bound method): the model's own smallest margin at the "
+     "clean image, as the judge computes it (never below bound_margin)"),
+    ("bound_certified", "with --certify complete: CROWN's own verdict, before the MIP"),
     ("certified_radius", "with --certify and the min_norm goal: a radius the example is "
      "certified at (bisection; 0: none), the certified side of P(D); smoothing: the L2 radius "
      "(Linf: divided by sqrt(d))"),
     ("exact_status", "with --certify complete: 1 certified, -1 attacked (an adversarial "
-     "example exists: an attack's or the MIP's), 0 unknown (time limit)"),
+     "example of the judged threat model exists: an attack's or the MIP's), -2 off_grid (the "
+     "MIP's float point is adversarial, its 8-bit rounding is not), 0 unknown (time limit)"),
     ("smoothed_prediction", "with --certify smoothing: the smoothed classifier's class; -1: "
      "abstain"),
     ("smoothed_radius", "with --certify smoothing: the certified L2 radius (0: abstain)"),

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxbundle import arithmetic
 from jaxbundle import goals as goals_lib
 from jaxbundle import norms
 from jaxbundle import sampling
@@ -185,39 +186,52 @@ def check_inputs(
 _MATMULS = ("dot_general", "conv_general_dilated")
 
 
-def _matmul_dtypes(jaxpr: Any) -> set[str]:
-    """The dtypes of the operands of every matrix product and convolution in ``jaxpr`` and the
-    jaxprs inside it (jit, custom gradients, scans, conditionals)."""
-    found = set()
+def _matmuls(jaxpr: Any) -> list:
+    """Every matrix product and convolution in ``jaxpr`` and the jaxprs inside it (jit, custom
+    gradients, scans, conditionals)."""
+    found = []
     for eqn in jaxpr.eqns:
         if eqn.primitive.name in _MATMULS:
-            found |= {str(v.aval.dtype) for v in eqn.invars}
+            found.append(eqn)
         for value in eqn.params.values():
             for inner in value if isinstance(value, (tuple, list)) else (value,):
                 inner = getattr(inner, "jaxpr", inner)  # a ClosedJaxpr's own jaxpr
                 if hasattr(inner, "eqns"):
-                    found |= _matmul_dtypes(inner)
+                    found += _matmuls(inner)
     return found
+
+
+def _precision_name(precision: Any) -> str:
+    if isinstance(precision, (tuple, list)):
+        return "/".join(dict.fromkeys(_precision_name(p) for p in precision))
+    return getattr(precision, "name", str(precision))
 
 
 def model_dtypes(apply_fn: Callable, params: Any, x_shape: tuple[int, ...]) -> dict:
     """What a report says of a model's precision: ``{"logits", "params", "compute",
-    "statement"}``: the dtype of its logits, of its parameters' floating leaves, of the operands
-    of its matrix products and convolutions (traced on float32 images ``x_shape``, nothing is
-    computed), and one line for the console. Whatever the model computes in, margins,
-    probabilities and judging use its logits widened to float32 exactly
-    (:func:`jaxbundle.sampling.float32_logits`)."""
+    "precision", "statement"}``: the dtype of its logits, of its parameters' floating leaves,
+    of the operands of its matrix products and convolutions (traced on float32 images
+    ``x_shape``, nothing is computed), the precisions the model sets on them itself (empty:
+    none, the verdicts' :data:`jaxbundle.arithmetic.PRECISION` applies), and one line for the
+    console. Whatever the model computes in, margins, probabilities and judging use its logits
+    widened to float32 exactly (:func:`jaxbundle.sampling.float32_logits`)."""
     image = jax.ShapeDtypeStruct(x_shape, jnp.float32)
     closed = jax.make_jaxpr(sampling.fixed(apply_fn))(params, image)
     logits = str(closed.out_avals[0].dtype)
     leaves = [jnp.result_type(a) for a in jax.tree_util.tree_leaves(params)]
     params_dtypes = sorted({str(d) for d in leaves if jnp.issubdtype(d, jnp.floating)})
-    compute = sorted(_matmul_dtypes(closed.jaxpr)) or [logits]
+    matmuls = _matmuls(closed.jaxpr)
+    compute = sorted({str(v.aval.dtype) for e in matmuls for v in e.invars}) or [logits]
+    own = sorted({_precision_name(e.params.get("precision")) for e in matmuls
+                  if e.params.get("precision") is not None})
     narrow = [d for d in dict.fromkeys(compute + [logits]) if jnp.dtype(d).itemsize < 4]
     held = ", ".join(params_dtypes) or "none"
     statement = f"model computes in {', '.join(compute)} (params {held}), logits {logits}"
     if narrow:
         statement += ("; margins and judging on its logits widened to float32 exactly, near "
                       f"ties as its own {narrow[0]} argmax decides them")
-    return {"logits": logits, "params": params_dtypes, "compute": compute,
+    statement += f"; {arithmetic.STATEMENT}"
+    if own:
+        statement += f" (the model's own precision, {', '.join(own)}, where it sets one)"
+    return {"logits": logits, "params": params_dtypes, "compute": compute, "precision": own,
             "statement": statement}

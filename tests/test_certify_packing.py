@@ -128,6 +128,46 @@ def test_no_packing_where_dependencies_cannot_be_traced():
     assert packing.dependencies(big) is None
 
 
+def _flipped():
+    """A parameter chooses the image or its mirror (``where(flip, x[:, :, ::-1], x)``) before
+    two strided convolutions: which pixels a neuron depends on is the parameter's to say."""
+    kernels = jax.random.split(jax.random.key(3), 2)
+    params = {"flip": jnp.ones((1, 1, 1, 1), bool),
+              "k1": jax.random.normal(kernels[0], (3, 3, 1, 4)) / 3,
+              "k2": jax.random.normal(kernels[1], (3, 3, 4, 4)) / 6}
+
+    def apply(params, x):
+        x = jnp.where(params["flip"], x[:, :, ::-1], x)
+        for kernel in (params["k1"], params["k2"]):
+            x = jax.nn.relu(jax.lax.conv_general_dilated(
+                x, kernel, (2, 2), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC")))
+        return x.reshape(x.shape[0], -1)[:, :3]
+
+    return apply, params, (15, 15, 1)
+
+
+def test_no_packing_where_parameters_choose_the_pixels(monkeypatch):
+    """Dependencies are traced with every parameter set to one: a parameter that selects or
+    indexes (here, the mirror is off) would give the rows' pixels to the wrong neurons and
+    bounds the model does not have. Such a program is not packed: CROWN's bounds are those of
+    one neuron per row, and hold at points of the set."""
+    apply_fn, params, shape = _flipped()
+    params = {**params, "flip": jnp.zeros((1, 1, 1, 1), bool)}
+    graph = graphs.trace(apply_fn, params, (1, *shape))
+    assert packing.dependencies(graph) is None
+    x = jax.random.uniform(jax.random.key(4), (2, *shape))
+    y = jnp.argmax(jax.jit(apply_fn)(params, x), axis=-1)
+    packed = _crown(apply_fn, params, x, y, 0.05, True, monkeypatch)
+    single = _crown(apply_fn, params, x, y, 0.05, False, monkeypatch)
+    np.testing.assert_array_equal(packed, single)
+    corners = jnp.clip(x[:, None] + 0.05 * jax.random.rademacher(
+        jax.random.key(5), (2, 64, *shape), jnp.float32), 0.0, 1.0)
+    logits = jax.jit(jax.vmap(apply_fn, in_axes=(None, 0)))(params, corners)
+    margins = np.asarray(jnp.take_along_axis(logits, y[:, None, None], axis=2) - logits)
+    wrong = np.isfinite(packed)[:, None, :] & np.ones_like(margins, bool)  # [2, 64, 3]
+    assert np.all(margins[wrong] >= np.broadcast_to(packed[:, None, :], margins.shape)[wrong])
+
+
 def test_a_split_minimum_is_refused_for_an_l2_set():
     x = jnp.full((1, 2, 2, 1), 0.5)
     ball = sets.input_set(x, 0.1, "l2", 0.0, 1.0)

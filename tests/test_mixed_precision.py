@@ -20,7 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import jaxbundle
-from jaxbundle import losses, sampling, validation
+from jaxbundle import arithmetic, losses, sampling, validation
 from jaxbundle.attacks.base import WhiteBoxModel
 from jaxbundle.data.sample import load_mnist_sample
 
@@ -156,4 +156,11 @@ def test_the_report_states_a_float32_models_precision():
     d = validation.model_dtypes(lambda p, x: x.reshape(x.shape[0], -1) @ p, jnp.ones((4, 3)),
                                 (2, 2, 2, 1))
     assert d == {"logits": "float32", "params": ["float32"], "compute": ["float32"],
-                 "statement": "model computes in float32 (params float32), logits float32"}
+                 "precision": [],
+                 "statement": "model computes in float32 (params float32), logits float32; "
+                              + arithmetic.STATEMENT}
+    fixed = validation.model_dtypes(
+        lambda p, x: jnp.dot(x.reshape(x.shape[0], -1), p, precision=jax.lax.Precision.DEFAULT),
+        jnp.ones((4, 3)), (2, 2, 2, 1))
+    assert fixed["precision"] == ["DEFAULT"]
+    assert fixed["statement"].endswith("(the model's own precision, DEFAULT, where it sets one)")

@@ -55,6 +55,7 @@ import numpy as np
 import scipy.sparse
 from scipy.optimize import Bounds, LinearConstraint, milp
 
+from jaxbundle import arithmetic
 from jaxbundle.certify.extract import relu_program
 from jaxbundle.certify.program import INPUT, Affine, ReluProgram
 
@@ -356,7 +357,8 @@ def confirm(apply_fn: Callable[[Any, Any], Any], params: Any, x: np.ndarray, y: 
             point: np.ndarray, *, eps: float, lower: float = 0.0, upper: float = 1.0
             ) -> np.ndarray | None:
     """The float32 image ``point`` (flat, rounded into the ball and box) when the model
-    itself misclassifies it, a wrong logit strictly above the true one, else None.
+    itself, computed as the judge computes it, misclassifies it (a wrong logit strictly above
+    the true one), else None.
 
     Args:
       apply_fn: ``apply_fn(params, x) -> logits`` ``[1, K]``.
@@ -373,7 +375,8 @@ def confirm(apply_fn: Callable[[Any, Any], Any], params: Any, x: np.ndarray, y: 
     if np.any(rounded < low) or np.any(rounded > high):
         return None
     image = jnp.asarray(rounded.reshape((1, *x0.shape)))
-    logits = np.asarray(apply_fn(params, image), np.float64).reshape(-1)
+    with arithmetic.stated():  # as the judge computes it
+        logits = np.asarray(apply_fn(params, image), np.float64).reshape(-1)
     wrong = np.delete(logits, int(y))
     return rounded if np.max(wrong) > logits[int(y)] else None
 

@@ -16,9 +16,10 @@ ones, ReLUs the identity) and a value depends on it where it becomes NaN. That i
 of the real dependencies (``0 * NaN`` is NaN), and a consistent one: a value reached from a
 neuron's backward pass depends on a subset of that neuron's pixels. Packing is not used where
 it cannot be established: inputs over :data:`MAX_PIXELS` pixels (or over :data:`MAX_SUPPORT`
-dependencies to keep), values with elements that
-depend on no pixel (explicit padding by constants), parameters or constants that are not known
-when the program is traced, L2 input sets (whose minimum does not split by pixel).
+dependencies to keep), values with elements that depend on no pixel (explicit padding by
+constants), constants that are not known when the program is traced, indices or predicates
+computed from the parameters (which the trace sets to one), L2 input sets (whose minimum does
+not split by pixel).
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def dependencies(graph: graphs.Graph) -> tuple[dict, dict] | None:
     pixels = int(np.prod(graph.shapes[graph.input].shape))
     constants = list(graph.constants.values()) + [
         i.value for e in graph.equations for i in e.inputs if isinstance(i, graphs.Constant)]
-    if pixels > MAX_PIXELS or any(isinstance(c, jax.core.Tracer) for c in constants):
+    if (pixels > MAX_PIXELS or any(isinstance(c, jax.core.Tracer) for c in constants)
+            or _parameters_choose(graph)):
         return None
     targets = {graph.operand(e) for e in graph.equations
                if e.kind not in (graphs.CONSTANT, graphs.AFFINE)}
@@ -87,6 +89,21 @@ def dependencies(graph: graphs.Graph) -> tuple[dict, dict] | None:
         return None
     pixel = {id_: f.astype(np.int32) for id_, f in first.items()}
     return pixel, {t: np.concatenate(chunks) for t, chunks in support.items()}
+
+
+def _parameters_choose(graph: graphs.Graph) -> bool:
+    """Whether an x-dependent equation takes an index or a predicate computed from the
+    parameters (a gather's indices, a select's choice): with every parameter set to one the
+    traced dependencies would be another program's. (A float operand never matters: NaN times
+    anything is NaN.)"""
+    derived = set(graph.arguments)
+    for equation in graph.equations:
+        if equation.kind == graphs.CONSTANT and derived.intersection(
+                i for i in equation.inputs if isinstance(i, int)):
+            derived.update(equation.outputs)
+    return any(isinstance(i, int) and i in derived
+               and not jnp.issubdtype(graph.shapes[i].dtype, jnp.floating)
+               for e in graph.equations if e.kind != graphs.CONSTANT for i in e.inputs)
 
 
 def _nan_images(graph, first, count):

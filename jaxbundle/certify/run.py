@@ -4,9 +4,11 @@ its record in the report.
 :func:`batch` certifies one batch under the plan's ``certify`` method and returns per-example
 arrays; :func:`figures` turns the whole dataset's arrays into the model record's ``certified``
 field: certified robust accuracy, the interval ``[certified, bundled]`` robust accuracy lies in,
-the examples neither side decides, and the soundness check (no example both certified and
-fooled). The radius certified is the radius the judge accepts (:func:`radius`): on the 8-bit
-grid the grid's radius, in float32 the eps ball with the judge's float slack.
+the examples neither side decides, and the soundness checks (no example both certified and
+fooled, no bound above the model's own clean margin). The radius certified is the radius the
+judge accepts (:func:`radius`): on the 8-bit grid the grid's radius, in float32 the eps ball
+with the judge's float slack. Certificates are statements about the model as the judge
+computes it (float32 ``Precision.HIGHEST``, :mod:`jaxbundle.arithmetic`).
 """
 
 from __future__ import annotations
@@ -19,20 +21,24 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxbundle import curves, norms
+from jaxbundle import arithmetic, curves, norms, sampling
 from jaxbundle.certify import bounds
 from jaxbundle.plan import CERTIFY_TIME_LIMIT
 
-__all__ = ["EXACT", "RADIUS_STEPS", "batch", "curve", "figures", "missed_by_attacks", "radius"]
+__all__ = ["EXACT", "RADIUS_STEPS", "batch", "bound_above_model", "certified_and_fooled", "curve",
+           "figures", "missed_by_attacks", "radius"]
 
-# exact_status codes (the complete mode's per-example verdict)
-EXACT = {"certified": 1, "unknown": 0, "attacked": -1}
+# exact_status codes (the complete mode's per-example verdict): off_grid, a float point of the
+# grid's radius that is adversarial but whose rounding to the 8-bit grid is not (grid-judged
+# examples only: it decides nothing about the judged threat model)
+EXACT = {"certified": 1, "unknown": 0, "attacked": -1, "off_grid": -2}
 # Bisection steps of the certified radius (the P(D) curve's certified side): resolution
 # 2^-10 of the curve's range (Linf 0.001, L2 0.01), each step one bound evaluation.
 RADIUS_STEPS = 10
 # Smoothing's estimation samples per example inside an evaluation (Cohen et al. use 100,000:
 # fewer give a smaller certified radius, never an unsound one); n0 and alpha are theirs.
 SMOOTHING_SAMPLES = 10_000
+SMOOTHING_ALPHA = 0.001
 
 
 def radius(plan: Any, on_grid: jax.Array) -> jax.Array:
@@ -75,7 +81,16 @@ def _bound_outputs(plan: Any, model: Any, x: jax.Array, y: jax.Array, eps: jax.A
     replicated = None if model.mesh is None else NamedSharding(model.mesh, PartitionSpec())
     margin = np.asarray(_bound_margin(model.apply_fn, model.params, x, y, eps, method=method,
                                       norm=plan.norm, replicated=replicated))
-    out = {"certified": margin > 0, "bound_margin": margin.astype(np.float32)}
+    clean, gap, scale = (np.asarray(v) for v in _clean_margin(
+        model.apply_fn, model.params, x, y, replicated=replicated))
+    if gap > 1e-6 * max(float(scale), 1.0):
+        raise ValueError(
+            f"certify: the model gives an image other logits at another position in the batch "
+            f"(by up to {float(gap):.3g}), so the function certified one image at a time is not "
+            "the one the attacks and the judge run (noise from a PRNG key the model holds, "
+            "BatchNorm in training mode?); declare randomness with jaxbundle.stochastic")
+    out = {"certified": margin > 0, "bound_margin": margin.astype(np.float32),
+           "clean_margin": clean.astype(np.float32)}
     if "min_norm" in plan.goal_names:  # the certified curve beside the attacks' P(D)
         top = float(curves.distortion_grid(plan.norm)[-1])
         out["certified_radius"] = np.asarray(_certified_radius(
@@ -84,27 +99,62 @@ def _bound_outputs(plan: Any, model: Any, x: jax.Array, y: jax.Array, eps: jax.A
     return out
 
 
+@functools.partial(jax.jit, static_argnames=("apply_fn", "replicated"))
+def _clean_margin(apply_fn: Callable, params: Any, x: jax.Array, y: jax.Array, *,
+                  replicated: Any = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """``[B]`` the model's own smallest margin ``z_y - z_j`` at the clean image, computed as the
+    judge computes it (no sound bound on the ball can be above it); and how far the logits of
+    the batch in reverse order are from them, with the largest logit: a model whose logits
+    depend on the rest of the batch is not the function certified one image at a time."""
+    with arithmetic.stated():
+        logits = sampling.float32_logits(apply_fn(params, x))
+        reordered = sampling.float32_logits(apply_fn(params, x[::-1]))[::-1]
+    true = jnp.take_along_axis(logits, y[:, None], axis=1)[:, 0]
+    wrong = jnp.where(jax.nn.one_hot(y, logits.shape[-1], dtype=bool), -jnp.inf, logits)
+    out = true - jnp.max(wrong, axis=1)
+    out = out if replicated is None else jax.lax.with_sharding_constraint(out, replicated)
+    return out, jnp.max(jnp.abs(logits - reordered)), jnp.max(jnp.abs(logits))
+
+
 def _exact(plan: Any, model: Any, x: np.ndarray, y: np.ndarray, eps: np.ndarray,
-           decided: np.ndarray) -> np.ndarray:
-    """``[B]`` int8 :data:`EXACT` codes: the complete mode on the rows ``decided`` leaves open
-    (the bound certified them or an attack fooled them: those are known already)."""
+           on_grid: np.ndarray, open_: np.ndarray) -> np.ndarray:
+    """``[B]`` int8 :data:`EXACT` codes of the complete mode on the rows ``open_`` (0 for the
+    others). On a grid-judged row the MIP searches the float box of the grid's radius: its
+    adversarial point counts as ``attacked`` when its rounding to the 8-bit grid
+    (:func:`jaxbundle.norms.quantize`, inside the ball and the box) still fools the model as
+    the judge computes it, else it is ``off_grid``: a float image outside the judged threat
+    model, which decides nothing about it."""
     from jaxbundle.certify import complete  # SciPy's MIP solver: loaded when used
 
     status = np.zeros(len(x), np.int8)
     limit = plan.certify_time_limit or CERTIFY_TIME_LIMIT
-    for i in np.flatnonzero(~decided):
+    for i in np.flatnonzero(open_):
         (decision,) = complete.complete(model.apply_fn, model.params, x[i:i + 1], y[i:i + 1],
                                         eps=float(eps[i]), time_limit=limit)
         status[i] = EXACT[decision.status]
+        if decision.status == "attacked" and on_grid[i]:
+            point = jnp.asarray(decision.x.reshape(x[i:i + 1].shape))
+            rounded = norms.quantize(point, jnp.asarray(x[i:i + 1]), plan.eps, plan.norm)
+            if not _misclassified(model.apply_fn, model.params, rounded, y[i]):
+                status[i] = EXACT["off_grid"]
     return status
+
+
+def _misclassified(apply_fn: Callable, params: Any, image: jax.Array, label: int) -> bool:
+    """Whether the model, computed as the judge computes it, misclassifies ``image``."""
+    with arithmetic.stated():
+        logits = np.asarray(sampling.float32_logits(apply_fn(params, image)))[0]
+    return int(np.argmax(logits)) != int(label)
 
 
 def batch(plan: Any, model: Any, x: jax.Array, y: jax.Array, example_id: jax.Array,
           outputs: dict[str, np.ndarray], real: np.ndarray) -> dict[str, np.ndarray]:
     """The certification of one batch (real rows only, like ``outputs``, the attacks' per-example
-    arrays of the same batch): ``certified``, ``bound_margin``; with ``complete`` also
-    ``exact_status`` (``certified`` then says what the complete mode proved); with
-    ``smoothing`` ``smoothed_prediction`` and ``smoothed_radius``."""
+    arrays of the same batch): ``certified``, ``bound_margin`` and ``clean_margin``; with
+    ``complete`` also ``exact_status`` and ``bound_certified`` (CROWN's own verdict, before the
+    MIP; ``certified`` is then what either proved); with ``smoothing`` ``smoothed_prediction``
+    and ``smoothed_radius``. A verdict is never changed to agree with the attacks: an example
+    both certified and fooled stays both, and the ``certified_and_fooled`` check fires."""
     if plan.certify in ("complete", "smoothing") and jax.process_count() > 1:
         raise ValueError(f"certify={plan.certify!r} runs on the host of one process; across "
                          "processes use ibp, crown-ibp or crown (sharded like the attacks)")
@@ -117,13 +167,13 @@ def batch(plan: Any, model: Any, x: jax.Array, y: jax.Array, example_id: jax.Arr
     if plan.certify == "complete":
         fooled = outputs["success"].astype(bool)
         correct = outputs["clean_prediction"] == outputs["label"]
-        decided = out["certified"] | fooled | ~correct
+        bound = out["certified"]
         status = _exact(plan, model, np.asarray(x)[real], outputs["label"],
-                        np.asarray(eps)[real], decided)
-        status[out["certified"]] = EXACT["certified"]
-        status[fooled | ~correct] = EXACT["attacked"]
-        out["exact_status"] = status
-        out["certified"] = status == EXACT["certified"]
+                        np.asarray(eps)[real], on_grid[real], ~(bound | fooled | ~correct))
+        status[(fooled | ~correct) & ~bound] = EXACT["attacked"]  # decided by the attacks
+        status[bound] = EXACT["certified"]  # decided by the bound, whatever the attacks say
+        out.update(exact_status=status, bound_certified=bound,
+                   certified=status == EXACT["certified"])
     return out
 
 
@@ -135,7 +185,7 @@ def _smoothed(plan, model, x, example_id, eps, real, labels) -> dict[str, np.nda
 
     key = jax.random.fold_in(model.key, 0x5300)
     cert = smoothing.certify(model.apply_fn, model.params, np.asarray(x)[real], key=key,
-                             n=SMOOTHING_SAMPLES,
+                             n=SMOOTHING_SAMPLES, alpha=SMOOTHING_ALPHA,
                              example_id=np.asarray(example_id)[real])
     scale = np.sqrt(np.prod(np.shape(x)[1:])) if plan.norm == "linf" else 1.0
     right, l2_radius = np.asarray(cert.prediction) == labels, np.asarray(cert.radius)
@@ -147,53 +197,98 @@ def _smoothed(plan, model, x, example_id, eps, real, labels) -> dict[str, np.nda
 
 def figures(plan: Any, per_example: dict[str, np.ndarray], robust_accuracy: float,
             seconds: float) -> dict:
-    """The model record's ``certified`` field from the whole dataset's per-example arrays."""
+    """The model record's ``certified`` field from the whole dataset's per-example arrays.
+
+    A bound (IBP, CROWN-IBP, CROWN, complete) certifies the model the attacks attack: robust
+    accuracy lies in ``[certified, bundled]``, and ``certified_and_fooled`` (certified, yet an
+    attack fooled it or the clean image is misclassified) and ``bound_above_model`` (the
+    bound is above the model's own margin at the clean image) must be 0. Smoothing certifies
+    another classifier, the smoothed one: its clean and certified accuracy are reported on
+    their own (``smoothed``), with no interval and no check against the noisy model's
+    attacks."""
     n = max(len(per_example["label"]), 1)
     certified = per_example["certified"].astype(bool)
-    correct = per_example["clean_prediction"] == per_example["label"]
-    fooled = per_example["success"].astype(bool)
-    robust = correct & ~fooled
     lower = float(100.0 * certified.sum() / n)
     record = {
         "method": plan.certify,
+        "classifier": "smoothed" if plan.certify == "smoothing" else "model",
         "radius": {"grid": norms.grid_radius(plan.eps, plan.norm), "float": plan.eps},
+        "arithmetic": arithmetic.PRECISION if plan.certify != "smoothing" else None,
         "certified_robust_accuracy": lower,
-        "interval": [lower, robust_accuracy],
-        "undecided": int(np.sum(robust & ~certified)),
-        "certified_and_fooled": int(np.sum(certified & fooled)),
-        "exact": None,
+        "interval": None, "undecided": None, "certified_and_fooled": None,
+        "bound_above_model": None, "exact": None, "smoothed": None,
         "seconds": seconds,
     }
+    if plan.certify == "smoothing":
+        right = per_example["smoothed_prediction"] == per_example["label"]
+        record["smoothed"] = {
+            "clean_accuracy": float(100.0 * right.sum() / n),
+            "abstained": int(np.sum(per_example["smoothed_prediction"] < 0))}
+    else:
+        robust = _correct(per_example) & ~per_example["success"].astype(bool)
+        record.update(interval=[lower, robust_accuracy],
+                      undecided=int(np.sum(robust & ~certified)),
+                      certified_and_fooled=int(np.sum(certified_and_fooled(per_example))),
+                      bound_above_model=int(np.sum(bound_above_model(per_example))))
     if "exact_status" in per_example:
         status = per_example["exact_status"]
         record["exact"] = {name: int(np.sum(status == code)) for name, code in EXACT.items()}
+        record["exact"]["bound_certified"] = int(np.sum(per_example["bound_certified"]))
         record["exact"]["missed_by_attacks"] = int(np.sum(missed_by_attacks(per_example)))
     record["statement"] = _statement(record, plan)
     return record
 
 
+def _correct(per_example: dict[str, np.ndarray]) -> np.ndarray:
+    return per_example["clean_prediction"] == per_example["label"]
+
+
+def certified_and_fooled(per_example: dict[str, np.ndarray]) -> np.ndarray:
+    """``[n]``: certified (by the bound, or in the complete mode by the bound or the MIP), yet
+    fooled by an attack or misclassified clean: a bound or a verdict is wrong."""
+    certified = per_example["certified"].astype(bool)
+    if "bound_certified" in per_example:
+        certified = certified | per_example["bound_certified"].astype(bool)
+    return certified & (per_example["success"].astype(bool) | ~_correct(per_example))
+
+
+def bound_above_model(per_example: dict[str, np.ndarray]) -> np.ndarray:
+    """``[n]``: the bound on the smallest margin over the ball is above the model's own margin
+    at the clean image, which lies in the ball: the bound is not the model's (a bug, or a model
+    that is not the function certification traced, e.g. one drawing random numbers)."""
+    return per_example["bound_margin"] > per_example["clean_margin"]
+
+
 def missed_by_attacks(per_example: dict[str, np.ndarray]) -> np.ndarray:
     """``[n]``: correctly classified, fooled by no attack, and the complete mode found an
-    adversarial point (``exact_status`` attacked)."""
-    correct = per_example["clean_prediction"] == per_example["label"]
-    return ((per_example["exact_status"] == EXACT["attacked"]) & correct
+    adversarial example of the judged threat model (``exact_status`` attacked: on the 8-bit
+    grid, a grid image; ``off_grid`` points are not counted)."""
+    return ((per_example["exact_status"] == EXACT["attacked"]) & _correct(per_example)
             & ~per_example["success"].astype(bool))
 
 
 def _statement(record: dict, plan: Any) -> str:
+    if record["classifier"] == "smoothed":
+        s = record["smoothed"]
+        return (f"the smoothed classifier (a different classifier from the noisy model the "
+                f"attacks judge): clean {s['clean_accuracy']:.1f} %, certified "
+                f"{record['certified_robust_accuracy']:.1f} % (each certificate wrong with "
+                f"probability at most {SMOOTHING_ALPHA:g}), {s['abstained']} abstained; the "
+                "attacks' figure is the noisy model's, not an upper bound on this one")
     low, high = record["interval"]
-    text = (f"robust accuracy lies in [{low:.1f}, {high:.1f}] %: certified by {plan.certify}, "
-            f"fooled by the attacks; {record['undecided']} examples undecided")
+    text = (f"robust accuracy lies in [{low:.1f}, {high:.1f}] %: certified by {plan.certify} "
+            f"for the model at float32 Precision.HIGHEST, fooled by the attacks; "
+            f"{record['undecided']} examples undecided")
     if record["exact"] is not None:
         e = record["exact"]
         text += (f"; complete mode: {e['certified']} certified, {e['attacked']} attacked, "
                  f"{e['unknown']} unknown (time limit)")
+        if e["off_grid"]:
+            text += (f", {e['off_grid']} with a float adversarial point outside the 8-bit "
+                     "threat model (its rounding to the grid is not adversarial)")
     if high - low > 10.0:
         text += ("; the interval is wide: the bounds are loose on a model not trained for "
                  "verification (complete mode or a tighter method may narrow it)")
-    if plan.certify == "smoothing":
-        text += ("; smoothing certifies the smoothed classifier with probability 1 - alpha, "
-                 "the attacks judge the noisy model by its calls")
     return text
 
 
@@ -201,8 +296,9 @@ def curve(per_example: dict[str, np.ndarray], norm: str) -> tuple[list[float], d
     """The certified side of P(D) and D1/2: at each distortion of the curve's grid, the fraction
     of the correctly classified examples not certified at it (an upper bound on the true P(D),
     as the attacks' curve is a lower bound), and the distortion where it reaches 1/2 (a lower
-    bound on the true D1/2)."""
-    ok = per_example["clean_prediction"] == per_example["label"]
+    bound on the true D1/2). With smoothing, of the smoothed classifier's correct examples."""
+    ok = (per_example["smoothed_prediction"] == per_example["label"]
+          if "smoothed_prediction" in per_example else _correct(per_example))
     radius_ = per_example["certified_radius"]
     grid = curves.distortion_grid(norm)
     return (curves.operating_characteristic(radius_, ok, grid).tolist(),

@@ -176,7 +176,11 @@ def check_model(
     The model runs under ``jax.jit``, as evaluation runs it, twice in the same way: each run
     traces and compiles it afresh, so randomness drawn in Python (a counter, ``np.random``) is
     drawn again, while a deterministic model runs the same compiled program twice. The two
-    logits must agree to float rounding (1e-6 of the largest logit).
+    logits must agree to float rounding (1e-6 of the largest logit), and so must those of the
+    batch in reverse order (a model not declared stochastic): a model that draws noise for the
+    whole batch from a key it holds gives an image other noise at another position, so that
+    the attacks, the judge and certification (one image at a time) would each see another
+    model.
 
     Args:
       apply_fn: ``apply_fn(params, x) -> logits``.
@@ -191,7 +195,9 @@ def check_model(
     Raises:
       ValueError: ``apply_fn`` is not callable or fails on ``x`` under ``jax.jit``; the logits
         are not a finite floating ``[B, K]`` array with ``K >= 2`` (and ``K == num_classes`` if
-        given); or two runs give different logits (a stochastic model).
+        given); or two runs give different logits (a stochastic model); or an image's
+        logits depend on where it sits in the batch (a model drawing noise from a key it
+        holds).
     """
     where = f"model {name!r}"
     if not callable(apply_fn):
@@ -204,6 +210,9 @@ def check_model(
     logits = _jitted_run(apply_fn, params, x, where, expected)
     logits = _checked_logits(logits, batch, num_classes, where, expected)
     _check_repeatable(logits, _jitted_run(apply_fn, params, x, where, expected), declared, where)
+    if not declared:  # each image's logits its own, wherever it sits in the batch
+        reordered = _jitted_run(apply_fn, params, x[::-1], where, expected)[::-1]
+        _check_row_independent(logits, reordered, where)
     return int(logits.shape[1])
 
 
@@ -273,6 +282,24 @@ def _check_repeatable(logits: np.ndarray, again: np.ndarray, declared: bool, whe
             "random transforms?). Declare it: return (jaxbundle.stochastic(fn), params) with "
             "fn(params, x, key) drawing all its randomness from key (then use --eot), or make it "
             "deterministic (e.g. deterministic=True for dropout)"
+        )
+
+
+def _check_row_independent(logits: np.ndarray, reordered: np.ndarray, where: str) -> None:
+    """``ValueError`` unless the logits of the batch in reverse order, put back in order, agree
+    with the first run's to float rounding (1e-6 of the largest logit)."""
+    reordered = np.asarray(reordered, np.float64)
+    tol = 1e-6 * max(float(np.max(np.abs(logits))), 1.0)
+    if reordered.shape != logits.shape or not np.allclose(reordered, logits, rtol=1e-6,
+                                                          atol=tol):
+        diff = float(np.max(np.abs(reordered - logits))) if reordered.shape == logits.shape \
+            else float("inf")
+        raise ValueError(
+            f"{where} gives an image other logits at another position in the batch (largest "
+            f"difference {diff:.3g}): each image's logits must depend on that image alone "
+            "(noise drawn from a PRNG key the model holds, BatchNorm in training mode?). "
+            "Declare randomness: return (jaxbundle.stochastic(fn), params) with fn(params, x, "
+            "key) drawing it from key, or make the model deterministic"
         )
 
 
