@@ -58,7 +58,7 @@ from zoo import RESNET_STAGES  # noqa: E402
 
 from jaxbundle import models
 from jaxbundle.canonical import _same_padding
-from jaxbundle.certify import bounds, crown, ibp
+from jaxbundle.certify import bounds, crown
 from jaxbundle.data import load_mnist_sample
 
 TOLERANCE = 1e-4
@@ -257,18 +257,17 @@ def our_margins(apply_fn, variables, x, y, eps, norm, method, rounding=True) -> 
     """jaxbundle's bounds on the same sets (L2: the ball, not intersected with the box); without
     ``rounding``, the papers' formulas exactly (no widening for float32's rounding)."""
     box = (0.0, 1.0) if norm == "linf" else (-jnp.inf, jnp.inf)
-    saved = ibp.ROUNDING_PER_EQUATION, crown.refinement
-    ibp.ROUNDING_PER_EQUATION = saved[0] if rounding else 0.0
+    saved = crown.refinement
     if method == "crown-every":
-        crown.refinement = functools.partial(saved[1], sparse=False)
+        crown.refinement = functools.partial(saved, sparse=False)
     try:  # a fresh function: the compiled program of another setting is not reused
         out = bounds.margin_bounds(functools.partial(apply_fn), variables, jnp.asarray(x),
                                    jnp.asarray(y), eps=eps, norm=norm,
                                    method=method.removesuffix("-every"), lower=box[0],
-                                   upper=box[1])
+                                   upper=box[1], rounding=rounding)
         return np.asarray(out)
     finally:
-        ibp.ROUNDING_PER_EQUATION, crown.refinement = saved
+        crown.refinement = saved
 
 
 def compare(exact: np.ndarray, shipped: np.ndarray, theirs: np.ndarray) -> dict:

@@ -6,8 +6,9 @@ a TPU it takes one bfloat16 pass (7 bits). XLA:CPU computes it in full float32 w
 precision. :func:`default_precision` makes XLA:CPU do what an accelerator does: while it is
 active, every float32 ``dot_general`` and ``conv_general_dilated`` lowered for the CPU whose
 precision is the backend's default (None or ``DEFAULT``) rounds both operands with
-``reduce_precision`` first; ``HIGH`` and ``HIGHEST`` stay float32, float64 stays float64. Compiled programs are dropped on entry and exit,
-so what is traced inside is lowered with the emulated arithmetic and nothing leaks out.
+``reduce_precision`` first; ``HIGH`` and ``HIGHEST`` stay float32, float64 stays float64.
+Compiled programs are dropped on entry and exit, so what is traced inside is lowered with the
+emulated arithmetic and nothing leaks out.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ one bfloat16 pass on TPUs; ``emulation.py``), and the certification programs' ow
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,7 +14,7 @@ import pytest
 import emulation
 import float_edges
 from jaxbundle import arithmetic
-from jaxbundle.certify import extract, margin_bounds
+from jaxbundle.certify import UnsupportedPrimitive, extract, margin_bounds
 from jaxbundle.certify import graph as graphs
 
 FRACTIONS = 2.0 ** -np.arange(2, 34)  # the exact minimum margins, relative to their scales
@@ -92,3 +93,17 @@ def test_each_equation_records_the_precision_the_model_computes_it_at():
         assert found == {("conv_general_dilated", 9, 72, product),
                          ("conv_general_dilated", 72, 144, product),
                          ("dot_general", 784, 64, product), ("dot_general", 64, 2, product)}
+
+
+def test_a_model_computing_in_bfloat16_is_refused_not_certified():
+    """A model whose layers compute in bfloat16 has no float32 allowance to be certified
+    under: one line naming the operation and its dtype, never a bound."""
+    class Narrow(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(3, dtype=jnp.bfloat16)(x.reshape(x.shape[0], -1))
+
+    x = jnp.full((2, 4, 4, 1), 0.5)
+    params = jax.jit(Narrow().init)(jax.random.key(0), x)
+    with pytest.raises(UnsupportedPrimitive, match="on bfloat16 values"):
+        margin_bounds(Narrow().apply, params, x, jnp.zeros(2, jnp.int32), eps=0.01)

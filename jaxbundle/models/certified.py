@@ -12,9 +12,10 @@ around ``x`` (clipped to ``[0, 1]``), with ``m_y = 0``: the logits an adversary 
 worst, up to a shift, since CE depends only on logit differences. The bounds are the library's
 own (:func:`jaxbundle.certify.bounds.margin_bounds`), so the model is trained against the
 bounds that later certify it (in real arithmetic: the allowance for float32's rounding, which a
-loss does not need, is left to the certificate). For ``"crown-ibp"`` the bound is ``beta * crown_ibp + (1 -
-beta) * ibp`` (Zhang et al. 2020, "Towards Stable and Efficient Training of Verifiably Robust
-Neural Networks"); once ``beta`` reaches 0 the CROWN pass is skipped.
+loss does not need, is left to the certificate). For ``"crown-ibp"`` the bound is
+``beta * crown_ibp + (1 - beta) * ibp`` (Zhang et al. 2020, "Towards Stable and Efficient
+Training of Verifiably Robust Neural Networks"); once ``beta`` reaches 0 the CROWN pass is
+skipped.
 
 Schedules, all driven by the eps ramp (``config.eps_warmup`` of the steps, eps linear from 0
 to ``config.eps``): ``kappa`` goes linearly from ``config.kappa_start`` to
