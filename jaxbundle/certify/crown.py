@@ -110,8 +110,11 @@ def _dot(coefficients, value, owners: Owners | None = None, value_id=None):
     if owners is None:
         return jnp.tensordot(coefficients, value, axes=value.ndim)
     product = (coefficients * value[None]).reshape(coefficients.shape[0], -1)
-    share = jax.nn.one_hot(owners.of(value_id), owners.slots, dtype=product.dtype)
-    return jnp.einsum("su,sug->sg", product, share)
+    rows = product.shape[0]
+    bucket = owners.of(value_id) + (owners.slots + 1) * jnp.arange(rows)[:, None]
+    shares = jax.ops.segment_sum(product.reshape(-1), bucket.reshape(-1),
+                                 num_segments=rows * (owners.slots + 1))
+    return shares.reshape(rows, owners.slots + 1)[:, :owners.slots]  # the last: no neuron's
 
 
 class Carried(NamedTuple):
@@ -132,7 +135,8 @@ class Carried(NamedTuple):
 
 
 def backward(graph: graphs.Graph, state: ibp.Sweep, start: int, coefficients: dict, *,
-             elide: bool = False, owners: Owners | None = None) -> Carried:
+             elide: bool = False, owners: Owners | None = None, shared: bool = False
+             ) -> Carried:
     """Carries ``coefficients`` (id -> :class:`Pair` of ``[S, *shape]``) on values computed
     before equation ``start`` back to the input.
 
@@ -149,6 +153,8 @@ def backward(graph: graphs.Graph, state: ibp.Sweep, start: int, coefficients: di
         merged into the affine equations that follow the last activations, Gowal et al.).
       owners: for packed rows, the neuron each element is for (constants are then ``[S,
         slots]``).
+      shared: ``coefficients`` are the same for every example of a vmapped group (how the
+        errors are summed fastest, :func:`_allowance`).
 
     Returns:
       The :class:`Carried` rows.
@@ -163,19 +169,20 @@ def backward(graph: graphs.Graph, state: ibp.Sweep, start: int, coefficients: di
         if all(p is None for p in pairs):
             continue
         if equation.kind == graphs.AFFINE:
-            contributions, extra, error = _affine(graph, state, equation, pairs, owners)
+            contributions, extra, error = _affine(graph, state, equation, pairs, owners, shared)
         elif elide:
             frontier[equation.outputs[0]] = pairs[0]
             continue
         else:
-            contributions, extra, error = _activation(graph, state, index, pairs[0], owners)
+            contributions, extra, error = _activation(graph, state, index, pairs[0], owners,
+                                                      shared)
         constants = _add(constants, extra)
         if state.rounding:
             errors = _add(_add(errors, error), _scaled(extra, steps))
         for operand, pair in contributions:
             before = coefficients.get(operand)
             if state.rounding and before is not None:  # a value of several uses: a sum rounds
-                errors = _add(errors, _fan_in(state, operand, before, pair, owners))
+                errors = _add(errors, _fan_in(state, operand, before, pair, owners, shared))
             coefficients[operand] = _add(before, pair)
     frontier.update(coefficients)
     return Carried(frontier, constants, errors)
@@ -196,27 +203,43 @@ def _scaled(pair: Pair | None, factor: float) -> Pair | None:
     return _map(pair, lambda a: factor * jnp.abs(a))
 
 
-def _allowance(rows: Pair, value, owners, value_id, factor: float = 1.0) -> Pair:
+def _allowance(rows: Pair, value, owners, value_id, factor: float = 1.0, *,
+               shared: bool = False) -> Pair:
     """``factor * |rows| . value`` on each side (``value`` non-negative), inflated for its own
     rounding: the error allowance of rows crossing a value whose elements may each be off by
-    ``factor * value``."""
+    ``factor * value``. ``shared``: the rows are the same for every example of a vmapped
+    group (a block's head), so the sum is a matrix product over the group's values; otherwise
+    a product and a sum XLA fuses (a dot of one row per example is slow on CPU)."""
     size = int(np.prod(jnp.shape(value)))
     scale = factor * rounds.inflation(size)
+    flat = jnp.reshape(value, -1)
+    if owners is None and shared:
+        return _map(rows, lambda a: scale * (jnp.abs(a).reshape(a.shape[0], -1) @ flat))
+    if owners is None:
+        axes = tuple(range(1, 1 + jnp.ndim(value)))
+        return _map(rows, lambda a: scale * jnp.sum(jnp.abs(a) * value[None], axis=axes))
+    if shared:  # each row's absolute values split by owner: then one product with the values
+        share = jax.nn.one_hot(owners.of(value_id), owners.slots, dtype=flat.dtype)
+
+        def split(a):
+            return jnp.einsum("sug,u->sg", jnp.abs(a).reshape(a.shape[0], -1)[..., None] * share,
+                              flat)
+        return _map(rows, lambda a: scale * split(a))
     return _map(rows, lambda a: scale * _dot(jnp.abs(a), value, owners, value_id))
 
 
-def _fan_in(state, operand, before: Pair, added: Pair, owners) -> Pair:
+def _fan_in(state, operand, before: Pair, added: Pair, owners, shared: bool) -> Pair:
     """The rounding of ``before + added``, the coefficients of a value of several uses: one
     ulp of ``|before| + |added|`` times the value's magnitude."""
     summed = _add(_map(before, jnp.abs), _map(added, jnp.abs))
     return _allowance(summed, state.interval(operand).magnitude(), owners, operand,
-                      rounds.UNIT)
+                      rounds.UNIT, shared=shared)
 
 
 _WEIGHTED = frozenset({"mul", "div", "dot_general", "conv_general_dilated"})
 
 
-def _affine(graph, state, equation, pairs, owners):
+def _affine(graph, state, equation, pairs, owners, shared):
     """Contributions of an affine equation: the VJP of its x-dependent inputs (others fixed)
     applied to every row, the rows' inner products with the equation at zero inputs, and (with
     rounding) the errors: each row's absolute values times the outputs' slack, and the
@@ -270,10 +293,12 @@ def _affine(graph, state, equation, pairs, owners):
     for pair, output, offset in zip(pairs, equation.outputs, offsets):
         if pair is None:
             continue
-        error = _add(error, _allowance(pair, state.slack[output], owners, output))
+        error = _add(error, _allowance(pair, state.slack[output], owners, output,
+                                       shared=shared))
         if has_constant:  # the inner product with the constant, a sum over the output
             error = _add(error, _allowance(pair, jnp.abs(offset), owners, output,
-                                           rounds.gamma(int(np.prod(offset.shape)))))
+                                           rounds.gamma(int(np.prod(offset.shape))),
+                                           shared=shared))
     return contributions, constant, error
 
 
@@ -304,7 +329,7 @@ def _relaxations(graph, state, index):
     return (route, constant) if equation.kind == graphs.MAXIMUM else (constant, route)
 
 
-def _activation(graph, state, index, pair, owners):
+def _activation(graph, state, index, pair, owners, shared):
     equation = graph.equations[index]
     operand = graph.operand(equation)
     below, above = _relaxations(graph, state, index)
@@ -330,7 +355,7 @@ def _activation(graph, state, index, pair, owners):
             reach = equation.apply(reach)[0]  # |a routed value| <= its window's largest reach
         size = int(np.prod(reach.shape))
         factor = rounds.UNIT + rounds.gamma(equation.arithmetic.back) + rounds.gamma(size)
-        error = _allowance(pair, reach, owners, equation.outputs[0], factor)
+        error = _allowance(pair, reach, owners, equation.outputs[0], factor, shared=shared)
     return [(operand, Pair(low, high))], Pair(low_constant, high_constant), error
 
 
@@ -461,7 +486,7 @@ class _Blocks:
         every = jnp.arange(self.blocks * self.rows)
         if self.blocks * self.rows * largest <= SHARED_ELEMENTS:
             self.head = backward(graph, state, index, {operand: self.spec(every)}, elide=True,
-                                 owners=self.owners(every))
+                                 owners=self.owners(every), shared=True)
 
     def owners(self, chosen):
         packed = self.packed
