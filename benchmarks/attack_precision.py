@@ -1,28 +1,31 @@
-"""May the attacks search at the backend's default precision? Their strength when their matrix
-products run as an accelerator's default runs them (issue 48).
+"""At what precision should the attacks search? Their strength when their matrix products run
+as an accelerator runs them (issue 48).
 
 Verdicts and certificates run at float32 ``Precision.HIGHEST`` (``jaxbundle.arithmetic``); the
-attacks only propose candidates, so they may run faster and narrower, at TF32 on a GPU or one
-bfloat16 pass on a TPU, if that does not cost strength. Here the ``default`` bundle runs with
-its model passes in float32 and under an emulated TF32 and bfloat16 default
-(``tests/emulation.py``: XLA:CPU rounds the operands of every default-precision product), the
-judge in float32 every time, on a tuning model (the PGD-trained demo ``adversarial`` SmallCNN,
-embedded test images 0..``n``, Linf 0.3) and a held-out one (the zoo's ``cnn-pgd-0.3``, its
-256 evaluation images, Linf 0.3): robust accuracy, and the examples each emulated run fools
-that the float32 run does not and the reverse. Speed is not measured here (XLA:CPU has no
-narrower units): on an accelerator the narrow products are the faster ones.
+attacks only propose candidates, so they may run faster and narrower. Here the ``default``
+bundle runs with its model passes in float32, and under an emulated GPU (TF32) and TPU
+(bfloat16 passes) at the backend's default (one pass on a TPU) and at ``Precision.HIGH``, what
+jaxbundle's attacks use (TF32 on a GPU, three bfloat16 passes on a TPU; ``tests/emulation.py``:
+XLA:CPU rounds the operands of every such product), the judge in float32 every time, on a
+tuning model (the PGD-trained demo ``adversarial`` SmallCNN, embedded test images 0..``n``,
+Linf 0.3) and a held-out one (the zoo's ``cnn-pgd-0.3``, its 256 evaluation images, Linf 0.3):
+robust accuracy, and the examples each emulated run fools that the float32 run does not and
+the reverse. Speed is not measured here (XLA:CPU has no narrower units): on an accelerator the
+narrower products are the faster ones.
 
-    python benchmarks/attack_precision.py            # about 15 minutes on 2 CPU cores
+    python benchmarks/attack_precision.py            # about 25 minutes on 2 CPU cores
     python benchmarks/attack_precision.py --quick    # n = 64
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import pathlib
 import sys
 import time
 
+import jax
 import numpy as np
 
 from harness import machine_facts, parse_run_args, write_results
@@ -42,18 +45,23 @@ def run(name: str, apply_fn, params, x, y, eps: float) -> dict:
     """The default bundle under each emulated default, judged in float32."""
     plan = bundles.plan("default", "linf", eps)
     out, success = {"n": int(len(y)), "eps": eps}, {}
-    for fmt in ("float32", "tf32", "bfloat16"):
+    for fmt, search in (("float32", "high"), ("tf32", "default"), ("tf32", "high"),
+                        ("bfloat16", "default"), ("bfloat16", "high")):
+        label = fmt if fmt == "float32" else f"{fmt}/{search}"
         start = time.perf_counter()
-        with emulation.default_precision(fmt):
+        forced = contextlib.nullcontext() if search == "high" else (
+            jax.default_matmul_precision(search))  # the search at the default; verdicts not
+        with emulation.default_precision(fmt), forced:
             ev = jaxbundle.evaluate(apply_fn, params, (x, y), plan, mesh=None)
-        success[fmt] = ev.per_example["success"].astype(bool)
-        out[fmt] = {"robust_accuracy": ev.metrics["robust_accuracy"],
-                    "clean_accuracy": ev.metrics["clean_accuracy"],
-                    "seconds": round(time.perf_counter() - start, 1)}
-        if fmt != "float32":
-            out[fmt]["fooled_only_here"] = int(np.sum(success[fmt] & ~success["float32"]))
-            out[fmt]["fooled_only_in_float32"] = int(np.sum(success["float32"] & ~success[fmt]))
-        print(name, fmt, out[fmt], flush=True)
+        success[label] = ev.per_example["success"].astype(bool)
+        out[label] = {"robust_accuracy": ev.metrics["robust_accuracy"],
+                      "clean_accuracy": ev.metrics["clean_accuracy"],
+                      "seconds": round(time.perf_counter() - start, 1)}
+        if label != "float32":
+            out[label]["fooled_only_here"] = int(np.sum(success[label] & ~success["float32"]))
+            out[label]["fooled_only_in_float32"] = int(
+                np.sum(success["float32"] & ~success[label]))
+        print(name, label, out[label], flush=True)
     return out
 
 

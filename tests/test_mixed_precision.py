@@ -164,3 +164,25 @@ def test_the_report_states_a_float32_models_precision():
         jnp.ones((4, 3)), (2, 2, 2, 1))
     assert fixed["precision"] == ["DEFAULT"]
     assert fixed["statement"].endswith("(the model's own precision, DEFAULT, where it sets one)")
+
+
+def test_verdicts_run_at_highest_and_the_search_at_high_unless_a_precision_is_set():
+    """The judge's logits at HIGHEST (what certificates are about), the attacks' at HIGH
+    (TF32 on GPUs, three bfloat16 passes on TPUs); a precision the user sets for JAX is kept
+    for the search, never for a verdict."""
+    from jaxbundle import judge
+
+    model = WhiteBoxModel(lambda p, x: x.reshape(x.shape[0], -1) @ p, jnp.ones((4, 3)))
+    x, y = jnp.ones((2, 2, 2, 1)), jnp.zeros(2, jnp.int32)
+
+    def precisions(fn):
+        return {e.params["precision"] for e in validation._matmuls(jax.make_jaxpr(fn)(x).jaxpr)}
+
+    high, highest = ((p, p) for p in (jax.lax.Precision.HIGH, jax.lax.Precision.HIGHEST))
+    verdict = lambda v: judge.judged_score(model, v, v, y, "linf")[0].margin  # noqa: E731
+    search = lambda v: model.loss_and_grad(losses.cross_entropy, v, y)  # noqa: E731
+    assert precisions(model.logits) == precisions(search) == {high}
+    assert precisions(verdict) == {highest}
+    with jax.default_matmul_precision("bfloat16"):
+        assert precisions(model.logits) == {(jax.lax.Precision.DEFAULT,) * 2}
+        assert precisions(verdict) == {highest}

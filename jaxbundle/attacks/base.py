@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbundle import sampling
+from jaxbundle import arithmetic, sampling
 from jaxbundle.sampling import is_stochastic
 
 __all__ = [
@@ -217,19 +217,21 @@ class WhiteBoxModel:
         """Logits ``[S, B, K]`` (float32) of ``samples`` calls (``S = 1`` for a deterministic
         model)."""
         if not self.stochastic:
-            return sampling.float32_logits(self.apply_fn(self.params, x))[None]
+            return self.logits(x)[None]
         if self.keys is None:
             raise ValueError("a stochastic model needs per-example keys")
         call = self._calls if self.fresh else 0
         self._calls += 1
         keys = sampling.call_keys(self.keys, call, self.samples)
-        return sampling.sample_logits(self.apply_fn, self.params, x, keys)
+        with arithmetic.searching():  # a verdict's stated() wins: it is set already
+            return sampling.sample_logits(self.apply_fn, self.params, x, keys)
 
     def logits(self, x: jax.Array) -> jax.Array:
         """Logits ``[B, K]`` for images ``[B, ...]`` (in float32; a stochastic model's: the mean
         over its samples)."""
         if not self.stochastic:
-            return sampling.float32_logits(self.apply_fn(self.params, x))
+            with arithmetic.searching():  # a verdict's stated() wins: it is set already
+                return sampling.float32_logits(self.apply_fn(self.params, x))
         return jnp.mean(self.sample_logits(x), axis=0)
 
     def loss_and_grad(

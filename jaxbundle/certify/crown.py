@@ -351,11 +351,20 @@ def _activation(graph, state, index, pair, owners, shared):
     if state.rounding:  # the slopes' products, the routes' sums, the intercepts' inner products
         lower, upper = state.pre[index]
         reach = jnp.maximum(jnp.abs(lower), jnp.abs(upper))
-        if equation.kind != graphs.RELU:
+        if equation.kind == graphs.RELU:
+            # A stable neuron's slope is 0 or 1 and its intercept 0: only the unstable ones'
+            # products round, and a sum rounds only where it adds a nonzero term: gamma of
+            # their count (each example's own).
+            unstable = (lower < 0) & (upper > 0)
+            count = jnp.sum(unstable).astype(jnp.float32)
+            factor = rounds.UNIT + count * rounds.UNIT / (1.0 - count * rounds.UNIT)
+            value = jax.lax.stop_gradient(jnp.where(unstable, reach, 0.0) * factor)
+            error = _allowance(pair, value, owners, equation.outputs[0], shared=shared)
+        else:
             reach = equation.apply(reach)[0]  # |a routed value| <= its window's largest reach
-        size = int(np.prod(reach.shape))
-        factor = rounds.UNIT + rounds.gamma(equation.arithmetic.back) + rounds.gamma(size)
-        error = _allowance(pair, reach, owners, equation.outputs[0], factor, shared=shared)
+            size = int(np.prod(reach.shape))
+            factor = rounds.UNIT + rounds.gamma(equation.arithmetic.back) + rounds.gamma(size)
+            error = _allowance(pair, reach, owners, equation.outputs[0], factor, shared=shared)
     return [(operand, Pair(low, high))], Pair(low_constant, high_constant), error
 
 
