@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxbundle import Plan, evaluate, norms, stochastic
+from jaxbundle import Plan, arithmetic, evaluate, norms, stochastic
 from jaxbundle.certify import crown
 from jaxbundle.certify import run as certify_run
 from jaxbundle.cli import main
@@ -137,6 +137,34 @@ def test_complete_mode_decides_every_example_of_a_small_relu_net():
     assert result.metrics["checks"]["missed_by_attacks"]["examples"] == missed
     # Exact: the interval closes up to what the attacks missed.
     assert record["undecided"] == missed
+
+
+def test_on_8_bit_data_every_grid_image_of_a_certified_ball_is_classified_right():
+    """Examples on the 8-bit grid are certified at the grid's radius (8/255 here, whole
+    levels): every 8-bit image within 8 levels of each pixel (17^4 per example) is classified
+    right by the model, as the judge computes it, wherever an example is certified; and the
+    attacks, judged on the grid, fool none of those whose every grid image is right."""
+    k1, k2 = jax.random.split(jax.random.key(7))
+    params = {"w1": jax.random.normal(k1, (4, 8)), "w2": jax.random.normal(k2, (8, 4))}
+
+    def apply_fn(p, x):  # boundaries through the middle of the box
+        return jax.nn.relu((x.reshape(x.shape[0], -1) - 0.5) @ p["w1"]) @ p["w2"]
+
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.integers(0, 256, size=(16, 2, 2, 1)) / 255.0, jnp.float32)
+    y = np.asarray(jnp.argmax(jax.jit(apply_fn)(params, x), axis=1))
+    plan = Plan(eps=8 / 255, attacks=ATTACKS, steps=20, certify="crown")
+    result = evaluate(apply_fn, params, (x, y), plan, mesh=None)
+    pe = result.per_example
+    assert np.all(pe["judged_on_grid"]) and 0 < pe["certified"].sum() < len(y)
+    steps = np.stack(np.meshgrid(*[np.arange(-8, 9)] * 4, indexing="ij"), -1).reshape(-1, 4)
+    grid = np.clip(np.round(np.asarray(x).reshape(16, 1, 4) * 255) + steps[None], 0, 255)
+    with arithmetic.stated():
+        logits = jax.jit(apply_fn)(params, jnp.asarray(grid.reshape(-1, 2, 2, 1) / 255.0,
+                                                       jnp.float32))
+    right = np.all(np.asarray(jnp.argmax(logits, axis=1)).reshape(16, -1) == y[:, None], axis=1)
+    assert np.all(right[pe["certified"]]) and not np.all(right)
+    assert not np.any(pe["success"] & right)
 
 
 @pytest.mark.parametrize("method", ["ibp", "crown-ibp", "crown", "complete"])

@@ -140,10 +140,12 @@ def backward(graph: graphs.Graph, state: ibp.Sweep, start: int, coefficients: di
     """Carries ``coefficients`` (id -> :class:`Pair` of ``[S, *shape]``) on values computed
     before equation ``start`` back to the input.
 
-    With rounding (``state.rounding``) the rows' errors grow where the pass crosses an
-    equation: by the equation's slack (the model's rounding of it and the rounding of the
-    coefficients through it), by the rounding of each constant and of its running sum, of a
-    relaxation's products, and of coefficients summed where a value has several uses.
+    With rounding (``state.rounding``) the rows' errors grow where they enter a chain of affine
+    equations (at the start, and at each activation's input): by the rounding the chain's
+    equations meet, the model's and the rows' own (:attr:`jaxbundle.certify.ibp.Interval.error`,
+    summed forward by the sweep); where they cross an activation, by the rounding of the
+    relaxation's products and constants; by the rounding of each constant's running sum; and
+    where a value of several uses sums its coefficients.
 
     Args:
       graph, state: the program and its IBP sweep (fixed values, activation input bounds).
@@ -161,6 +163,11 @@ def backward(graph: graphs.Graph, state: ibp.Sweep, start: int, coefficients: di
     """
     coefficients, frontier, constants, errors = dict(coefficients), {}, None, None
     steps = rounds.gamma(len(graph.equations) + 2)  # a constant's share of the running sum's
+    if state.rounding:  # the chains the rows start in
+        for value_id, pair in coefficients.items():
+            chain = state.interval(value_id).error
+            if chain is not None:
+                errors = _add(errors, _allowance(pair, chain, owners, value_id, shared=shared))
     for index in range(start - 1, -1, -1):
         equation = graph.equations[index]
         if equation.kind == graphs.CONSTANT:
@@ -169,7 +176,8 @@ def backward(graph: graphs.Graph, state: ibp.Sweep, start: int, coefficients: di
         if all(p is None for p in pairs):
             continue
         if equation.kind == graphs.AFFINE:
-            contributions, extra, error = _affine(graph, state, equation, pairs, owners, shared)
+            contributions, extra = _affine(graph, state, equation, pairs, owners)
+            error = None
         elif elide:
             frontier[equation.outputs[0]] = pairs[0]
             continue
@@ -236,14 +244,10 @@ def _fan_in(state, operand, before: Pair, added: Pair, owners, shared: bool) -> 
                       rounds.UNIT, shared=shared)
 
 
-_WEIGHTED = frozenset({"mul", "div", "dot_general", "conv_general_dilated"})
-
-
-def _affine(graph, state, equation, pairs, owners, shared):
+def _affine(graph, state, equation, pairs, owners):
     """Contributions of an affine equation: the VJP of its x-dependent inputs (others fixed)
-    applied to every row, the rows' inner products with the equation at zero inputs, and (with
-    rounding) the errors: each row's absolute values times the outputs' slack, and the
-    rounding of the inner products with the constant."""
+    applied to every row, and the rows' inner products with the equation at zero inputs (their
+    rounding is in the chain's error the rows paid on entering it)."""
     positions = [k for k, i in enumerate(equation.inputs) if graph.dependent(i)]
     fixed = [None if k in positions else state.value(i) for k, i in enumerate(equation.inputs)]
 
@@ -257,10 +261,7 @@ def _affine(graph, state, equation, pairs, owners, shared):
     if equation.name == "conv_general_dilated":  # transposes XLA:CPU runs fast inside loops
         linear = canonical_convolutions(linear, subpixel=True)
     offsets, pullback = jax.vjp(linear, *zeros)
-    # Products by fixed weights and structural operations without fixed floats are linear: no
-    # constant (gather may fill out-of-range rows with a constant).
-    has_constant = equation.name == "gather" or equation.name not in _WEIGHTED and any(
-        jnp.issubdtype(jnp.result_type(f), jnp.floating) for f in fixed if f is not None)
+    has_constant = ibp.adds_constant(equation, fixed)
 
     def pull(side):
         rows = next(a for a in side if a is not None).shape[0]
@@ -286,20 +287,7 @@ def _affine(graph, state, equation, pairs, owners, shared):
         contributions.append((equation.inputs[k], Pair(low, low) if shared else Pair(low, high)))
     low_constant = None if lower is None else lower[1]
     high_constant = None if upper is None else upper[1]
-    constant = Pair(low_constant, low_constant if shared else high_constant)
-    if not state.rounding:
-        return contributions, constant, None
-    error = None
-    for pair, output, offset in zip(pairs, equation.outputs, offsets):
-        if pair is None:
-            continue
-        error = _add(error, _allowance(pair, state.slack[output], owners, output,
-                                       shared=shared))
-        if has_constant:  # the inner product with the constant, a sum over the output
-            error = _add(error, _allowance(pair, jnp.abs(offset), owners, output,
-                                           rounds.gamma(int(np.prod(offset.shape))),
-                                           shared=shared))
-    return contributions, constant, error
+    return contributions, Pair(low_constant, low_constant if shared else high_constant)
 
 
 def _relaxations(graph, state, index):
@@ -348,9 +336,14 @@ def _activation(graph, state, index, pair, owners, shared):
     low, low_constant = side(pair.lower, below, above)
     high, high_constant = side(pair.upper, above, below)
     error = None
-    if state.rounding:  # the slopes' products, the routes' sums, the intercepts' inner products
+    if state.rounding:
+        # The slopes' products, the routes' sums and the intercepts' inner products round; and
+        # the rows enter the chain that computed the activation's input (its error; the input
+        # rows are at most the output rows in absolute value, routed or scaled by <= 1, and 0
+        # at a ReLU that is off).
         lower, upper = state.pre[index]
         reach = jnp.maximum(jnp.abs(lower), jnp.abs(upper))
+        chain = ibp.error_of(state.interval(operand))
         if equation.kind == graphs.RELU:
             # A stable neuron's slope is 0 or 1 and its intercept 0: only the unstable ones'
             # products round, and a sum rounds only where it adds a nonzero term: gamma of
@@ -358,13 +351,14 @@ def _activation(graph, state, index, pair, owners, shared):
             unstable = (lower < 0) & (upper > 0)
             count = jnp.sum(unstable).astype(jnp.float32)
             factor = rounds.UNIT + count * rounds.UNIT / (1.0 - count * rounds.UNIT)
-            value = jax.lax.stop_gradient(jnp.where(unstable, reach, 0.0) * factor)
-            error = _allowance(pair, value, owners, equation.outputs[0], shared=shared)
-        else:
-            reach = equation.apply(reach)[0]  # |a routed value| <= its window's largest reach
+            value = jnp.where(unstable, reach, 0.0) * factor + jnp.where(upper > 0, chain, 0.0)
+        else:  # |a routed value| <= its window's largest
+            reach, chain = equation.apply(reach)[0], equation.apply(chain)[0]
             size = int(np.prod(reach.shape))
             factor = rounds.UNIT + rounds.gamma(equation.arithmetic.back) + rounds.gamma(size)
-            error = _allowance(pair, reach, owners, equation.outputs[0], factor, shared=shared)
+            value = reach * factor + chain
+        error = _allowance(pair, jax.lax.stop_gradient(value), owners, equation.outputs[0],
+                           shared=shared)
     return [(operand, Pair(low, high))], Pair(low_constant, high_constant), error
 
 

@@ -19,9 +19,10 @@ Float32 rounding (:mod:`jaxbundle.certify.rounding`). Each affine equation's int
 by its rounding slack, a bound on the model's rounding of it and the bound's own, from the
 equation with absolute weights applied to its inputs' magnitudes (``|center| + radius``): the
 interval then holds the model's float32 value at every point of the input set, and every bound
-read from it is rounded outward. ``error`` keeps the part of the radius that is rounding since
-the last activation (the complete mode's MIP relaxes each pre-activation by it); CROWN adds each
-equation's slack where its backward pass crosses the equation.
+read from it is rounded outward. ``error`` carries, from the last activation on, the rounding
+that rows carried back through those equations meet (the model's, their own coefficients'
+and constants'): CROWN adds it where its rows enter the chain, the complete mode relaxes each
+pre-activation by it.
 """
 
 from __future__ import annotations
@@ -40,10 +41,12 @@ __all__ = ["Ball", "Interval", "Sweep", "absolute", "error_of", "interval_of", "
 
 class Interval(NamedTuple):
     """``center - radius <= value <= center + radius`` (exactly, in real arithmetic) for the
-    model's float32 value at every point of the input set. ``error`` (None: none): how far the
-    model's float32 value may be from the exact result of the equations since the last
-    activation, and their coefficients carried back through them from their own rounding
-    (what the complete mode's program is relaxed by). Arrays of its shape."""
+    model's float32 value at every point of the input set. ``error`` (None: none, as after an
+    activation): how far the model's float32 value may be from the exact result of the
+    equations since the last activation, and linear rows carried back through them
+    (CROWN's, the complete mode's maps) from their own rounding: what CROWN's rows pay where
+    they enter such a chain, and what the complete mode's program is relaxed by. Arrays of
+    its shape."""
 
     center: jax.Array
     radius: jax.Array
@@ -95,9 +98,6 @@ class Sweep(NamedTuple):
         max or min equation, rounded outward: what its relaxation uses.
       balls: id -> :class:`Ball` of the values before any activation, on an L2 set (empty on
         a box).
-      slack: id -> the rounding slack of the affine equation that computes it where CROWN's
-        rows cross it (elementwise; :func:`jaxbundle.certify.rounding.slack`); empty without
-        rounding.
       rounding: whether the bounds allow for float32's rounding.
     """
 
@@ -105,7 +105,6 @@ class Sweep(NamedTuple):
     intervals: dict
     pre: dict
     balls: dict
-    slack: dict
     rounding: bool
 
     def value(self, operand):
@@ -150,7 +149,7 @@ def sweep(graph: graphs.Graph, arguments: list, region: Box | BallInBox, *,
         balls[graph.input] = Ball(region.center,
                                   jnp.broadcast_to(region.radius, region.center.shape), True,
                                   jnp.zeros_like(region.center))
-    state = Sweep(values, intervals, {}, balls, {}, rounding)
+    state = Sweep(values, intervals, {}, balls, rounding)
     for index, equation in enumerate(graph.equations):
         if equation.kind == graphs.CONSTANT:
             outputs = equation.apply(*(state.value(i) for i in equation.inputs))
@@ -176,10 +175,24 @@ def error_of(interval: Interval) -> jax.Array:
     return jnp.zeros_like(interval.center) if interval.error is None else interval.error
 
 
+# Affine equations whose transposes carry rows without a constant: products by fixed weights.
+_WEIGHTED = frozenset({"mul", "div", "dot_general", "conv_general_dilated"})
+
+
+def adds_constant(equation, fixed: list) -> bool:
+    """Whether an affine equation adds a constant to its x-dependent inputs' linear image (a
+    fixed float operand of a sum or difference, or the fill of a gather), given its fixed
+    operands (None at x-dependent inputs)."""
+    return equation.name == "gather" or equation.name not in _WEIGHTED and any(
+        jnp.issubdtype(jnp.result_type(f), jnp.floating) for f in fixed if f is not None)
+
+
 def _affine(graph, state: Sweep, equation) -> list[Interval]:
     """The outputs' intervals: the equation on the centers, ``|op|`` on the radii, and with
-    rounding each output's slack (:func:`jaxbundle.certify.rounding.slack`) added: an
-    interval's to its radius, a crossing's to its error (and kept in ``state.slack``)."""
+    rounding each output's slacks (:func:`jaxbundle.certify.rounding.slack`) added: an
+    interval's to its radius; a crossing's, and the rounding of a crossing row's inner product
+    with the constant the equation adds, to its error, which CROWN's rows pay once for the
+    whole chain of equations since the last activation."""
     dependent = [graph.dependent(i) for i in equation.inputs]
 
     def pick(read):
@@ -192,13 +205,16 @@ def _affine(graph, state: Sweep, equation) -> list[Interval]:
         return [Interval(c, r) for c, r in zip(centers, radii)]
     magnitudes = absolute(equation, pick(Interval.magnitude), dependent, constants=True)
     widths = [rounds.slack(equation.arithmetic, m, crossing=False) for m in magnitudes]
-    slacks = [rounds.slack(equation.arithmetic, m, crossing=True) for m in magnitudes]
-    state.slack.update(zip(equation.outputs, slacks))
-    errors = slacks
+    errors = [rounds.slack(equation.arithmetic, m, crossing=True) for m in magnitudes]
+    if adds_constant(equation, [None if d else state.value(i)
+                                for i, d in zip(equation.inputs, dependent)]):
+        offsets = absolute(equation, pick(lambda v: jnp.zeros_like(v.center)), dependent,
+                           constants=True)
+        errors = [e + rounds.summed(o) for e, o in zip(errors, offsets)]
     if any(d and state.intervals[i].error is not None
            for i, d in zip(equation.inputs, dependent)):
         carried = absolute(equation, pick(error_of), dependent, constants=False)
-        errors = [c + s for c, s in zip(carried, slacks)]
+        errors = [c + e for c, e in zip(carried, errors)]
     return [Interval(c, r + w, e) for c, r, w, e in zip(centers, radii, widths, errors)]
 
 

@@ -40,7 +40,7 @@ from jaxbundle import arithmetic
 from jaxbundle.certify.graph import Arithmetic
 
 __all__ = ["FLOOR", "HIGHEST", "TINY", "UNIT", "error", "gamma", "inflation", "magnitude",
-           "outward", "relative", "slack"]
+           "outward", "relative", "slack", "summed"]
 
 UNIT = arithmetic.UNIT
 HIGHEST = arithmetic.PRODUCT_ERROR[jax.lax.Precision.HIGHEST]  # the bound's own products
@@ -91,6 +91,13 @@ def slack(rounds: Arithmetic, magnitude_: jax.Array, *, crossing: bool) -> jax.A
     scale = inflation(rounds.terms + rounds.back)
     return jax.lax.stop_gradient((relative(rounds, crossing=crossing) * magnitude_ + floor)
                                  * scale)
+
+
+def summed(values: jax.Array) -> jax.Array:
+    """Elementwise allowance for a row's inner product with non-negative ``values`` (a sum of
+    at most ``values.size`` terms): ``gamma`` of that size times each value, inflated."""
+    size = int(values.size)
+    return jax.lax.stop_gradient(gamma(size) * inflation(size) * values + FLOOR)
 
 
 def magnitude(center: jax.Array, radius: jax.Array) -> jax.Array:
