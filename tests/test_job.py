@@ -405,3 +405,34 @@ def test_run_job_as_a_library_call(user, tmp_path):
     np.testing.assert_array_equal(flagged, correct & (be <= 0.1 + 1e-6) & ~fooled.astype(bool))
     assert m["checks"]["non_monotone"]["examples"] == int(flagged.sum())
     assert not flags[:, names.index("transfer_beats_white_box")].any()
+
+
+def test_progress_on_a_log_is_plain_lines_at_a_modest_rate():
+    """On a console that is no terminal (a pod's log, ``> file``) progress is printed as lines:
+    when a task starts, changes phase or completes, and in between at most once per interval;
+    on a terminal it stays rich's bars."""
+    import io
+
+    from rich.console import Console
+
+    now = [0.0]
+    buf = io.StringIO()
+    log = Console(file=buf, width=100)
+    assert not log.is_terminal
+    lines = job._Lines(log, interval=30.0, clock=lambda: now[0])
+    task = lines.add_task("m: train or load")
+    for step in range(1, 101):  # 100 steps, one per second
+        now[0] = float(step)
+        lines.update(task, completed=step, total=100)
+    lines.update(task, completed=100, total=100)  # repeated: not printed again
+    now[0] = 101.0
+    lines.update(task, description="m: natural shifts")
+    printed = buf.getvalue().splitlines()
+    assert printed == ["[      0 s] m: train or load", "[     30 s] m: train or load 30/100",
+                       "[     60 s] m: train or load 60/100", "[     90 s] m: train or load 90/100",
+                       "[    100 s] m: train or load 100/100",
+                       "[    101 s] m: natural shifts 100/100"]
+    assert isinstance(job._progress(log, True), job._Lines)
+    assert not isinstance(job._progress(Console(file=io.StringIO(), force_terminal=True), True),
+                          job._Lines)
+    assert not isinstance(job._progress(log, False), job._Lines)  # --no-progress: nothing
