@@ -242,6 +242,49 @@ def test_cache_default_dataset_and_env_dir(tmp_path, monkeypatch):
     assert apply_fn(params, x).shape == (4, 10)
 
 
+def test_the_shipped_weights_are_the_demo_models_of_this_code(tmp_path, monkeypatch):
+    """A first run trains nothing: each model of the main job has weights in the package under
+    its current cache key (a change of config or CODE_VERSION that was not re-shipped fails
+    here), loaded without training from an empty cache; nothing else is shipped; and
+    ``shipped=False`` trains (the path :func:`models.ship` takes)."""
+    keys = {models.cache_path(models.MODELS[n]).name for n in models.cache.SHIPPED_MODELS}
+    on_disk = {p.name for p in models.SHIPPED.glob("*.msgpack")}
+    assert on_disk == keys, "re-ship the demo weights: python -m jaxbundle.models.cache"
+    for name in keys:
+        meta = json.loads((models.SHIPPED / name).with_suffix(".json").read_text())
+        assert meta["code_version"] == models.CODE_VERSION and name.endswith(
+            f"-{meta['hash']}.msgpack")
+    monkeypatch.setenv("JAXBUNDLE_CACHE", str(tmp_path))
+    calls = _count_train_calls(monkeypatch)
+    x = data.load_mnist_sample("test", n=500)
+    for name in models.cache.SHIPPED_MODELS:
+        apply_fn, params = models.load_or_train(models.MODELS[name])
+        accuracy = np.mean(np.argmax(np.asarray(apply_fn(params, x.x)), 1) == x.y)
+        assert accuracy > 0.9, (name, accuracy)
+    assert calls == [] and not any(tmp_path.iterdir())  # nothing trained, nothing written
+    shipped = models.load_or_train(models.MODELS["standard"])[1]
+    monkeypatch.setattr(models.cache, "train", lambda config, dataset=None, *, progress=None: (
+        calls.append(config) or shipped))
+    models.load_or_train(models.MODELS["standard"], shipped=False)
+    assert calls == [models.MODELS["standard"]]
+    assert models.cache_path(models.MODELS["standard"]).is_file()
+
+
+@pytest.mark.slow
+def test_training_reproduces_the_shipped_standard_model(tmp_path):
+    """The training code makes the shipped weights: the standard demo model trained afresh
+    classifies the embedded test images as the shipped one does (bit for bit on the machine
+    that trained them; another CPU's float32 sums may move a few images)."""
+    config = models.MODELS["standard"]
+    apply_fn, fresh = models.load_or_train(config, cache_dir=tmp_path, shipped=False)
+    _, shipped = models.load_or_train(config, cache_dir=tmp_path / "empty")
+    test = data.load_mnist_sample("test", n=2000)
+    a = np.argmax(np.asarray(apply_fn(fresh, test.x)), 1)
+    b = np.argmax(np.asarray(apply_fn(shipped, test.x)), 1)
+    assert np.mean(a == b) >= 0.99
+    assert abs(np.mean(a == test.y) - np.mean(b == test.y)) <= 0.005
+
+
 def test_default_cache_dir(monkeypatch, tmp_path):
     monkeypatch.setenv("JAXBUNDLE_CACHE", str(tmp_path))
     assert models.default_cache_dir() == tmp_path

@@ -37,10 +37,12 @@ from jaxbundle.models.config import TrainConfig
 from jaxbundle.models.cache import (
     CODE_VERSION,
     MODELS,
+    SHIPPED,
     cache_path,
     config_hash,
     default_cache_dir,
     load_or_train,
+    ship,
 )
 from jaxbundle.models.layers import CanonicalConvolutions, Conv, canonical_convolutions, conv_same
 from jaxbundle.models.loading import LoadedModel, ModelSpec, check_model, load_model, parse_spec
@@ -82,6 +84,8 @@ __all__ = [
     "ADVERSARIAL_LINEN",
     "CERTIFIED",
     "MODELS",
+    "SHIPPED",
+    "ship",
     "DEFENCES",
     "Defence",
     "Quantized",

@@ -32,15 +32,24 @@ from jaxbundle.models.training import (
 __all__ = [
     "CODE_VERSION",
     "MODELS",
+    "SHIPPED",
     "cache_path",
     "config_hash",
     "default_cache_dir",
     "load_or_train",
+    "ship",
 ]
 
 # Bump whenever the architectures or the training procedure change in a way that makes
 # previously cached weights stale. It is part of every cache key.
 CODE_VERSION = 3
+
+# The demo models' weights as this project trained them (the JSON beside each says when, how
+# long, with which config), shipped in the package so that a first run trains nothing. They are
+# looked up by the cache's own file name, so any change of config, data or CODE_VERSION misses
+# them and trains afresh; :func:`ship` (``python -m jaxbundle.models.cache``) retrains them
+# into this folder.
+SHIPPED = pathlib.Path(__file__).parent / "weights"
 
 # The demo models by name (the CLI's ``--models``).
 MODELS: dict[str, TrainConfig] = {
@@ -122,8 +131,12 @@ def load_or_train(
     cache_dir: str | os.PathLike[str] | None = None,
     dataset: Any | None = None,
     progress: Progress | None = None,
+    shipped: bool = True,
 ) -> tuple[ApplyFn, Params]:
     """Returns ``(module.apply, params)`` for ``config``, training only on a cache miss.
+
+    A demo model on the embedded sample (:data:`MODELS`, ``dataset=None``) is first looked
+    for in the cache, then among the weights shipped with the package (:data:`SHIPPED`).
 
     The weights live in ``cache_path(config, cache_dir, dataset)`` (flax msgpack) next to a
     JSON sidecar (same name, ``.json``) holding the config, the code version, the training
@@ -136,6 +149,7 @@ def load_or_train(
       cache_dir: cache root; defaults to ``$JAXBUNDLE_CACHE`` or ``~/.cache/jaxbundle``.
       dataset: training data (see :func:`train`); defaults to the embedded MNIST sample.
       progress: passed to :func:`train` when training happens.
+      shipped: whether the weights shipped with the package count as cached.
 
     Returns:
       ``(apply_fn, params)`` with ``apply_fn(params, x) -> logits``.
@@ -147,6 +161,8 @@ def load_or_train(
     else:
         example_shape = tuple(np.shape(dataset.x)[1:])
     cached = _cached(path, config, example_shape)
+    if cached is None and dataset is None and shipped:
+        cached = _cached(SHIPPED / path.name, config, example_shape)
     if cached is not None:
         return module.apply, cached
     # Several processes sharing a cache (test workers, the hosts of one job) train a missing
@@ -186,3 +202,25 @@ def _cached(path: pathlib.Path, config: TrainConfig, example_shape: tuple[int, .
     except (OSError, ValueError) as e:
         warnings.warn(f"ignoring corrupt model cache ({e}); retraining", RuntimeWarning)
         return None
+
+
+SHIPPED_MODELS = ("standard", "adversarial", "certified")  # the main job's
+
+
+def ship(names: tuple[str, ...] = SHIPPED_MODELS, folder: pathlib.Path = SHIPPED) -> None:
+    """Trains the demo models ``names`` afresh (never from a cache) and writes their weights
+    and JSON sidecars into ``folder``: how the shipped weights were made."""
+    import shutil
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in names:
+            config = MODELS[name]
+            load_or_train(config, cache_dir=tmp, shipped=False)
+            path = cache_path(config, tmp)
+            for made in (path, path.with_suffix(".json")):
+                shutil.copyfile(made, pathlib.Path(folder) / made.name)
+
+
+if __name__ == "__main__":
+    ship()
