@@ -58,7 +58,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from jaxbundle import norms
+from jaxbundle import norms, suites
 from jaxbundle.attacks.base import Attack
 from jaxbundle.plan import AttackSpec, Plan
 
@@ -67,8 +67,9 @@ __all__ = ["BUNDLES", "Bundle", "autoattack", "black_box", "broad", "bundle_atta
 
 
 class Bundle(NamedTuple):
-    """A named bundle: its attacks (each with the norms it applies to, None: both) and the
-    schedule it runs under."""
+    """A named bundle: its attacks (each with the norms the bundle runs it in, None: every
+    norm the attack works in, :data:`jaxbundle.suites.ATTACKS`) and the schedule it runs
+    under."""
 
     attacks: tuple[tuple[AttackSpec, tuple[str, ...] | None], ...]
     mode: str = "full"
@@ -97,16 +98,14 @@ BUNDLES: dict[str, Bundle] = {
     ),
     "broad": Bundle((
         _a("fgsm"), _a("pgd-ce", restarts=3), _a("pgd-margin", restarts=3), _a("fmn"),
-        _a("square", queries=1000), _a("rays", ("linf",), queries=1000),
-        _a("surfree", ("l2",), queries=1000),
+        _a("square", queries=1000), _a("rays", queries=1000), _a("surfree", queries=1000),
     )),
     "autoattack": Bundle(
         (_a("apgd-ce"), _a("apgd-t"), _a("fab-t"), _a("square-aa", queries=5000)),
         mode="cascade", restart_mode="cascade", buckets=8,
     ),
-    "black-box": Bundle((_a("square"), _a("rays", ("linf",)), _a("surfree", ("l2",)))),
-    "min-norm": Bundle((_a("fmn"), _a("bp-variant", ("l2",)), _a("cw-l2-light", ("l2",)),
-                        _a("deepfool"))),
+    "black-box": Bundle((_a("square"), _a("rays"), _a("surfree"))),
+    "min-norm": Bundle((_a("fmn"), _a("bp-variant"), _a("cw-l2-light"), _a("deepfool"))),
 }
 
 
@@ -119,7 +118,8 @@ def plan(name: str, norm: str = "linf", eps: float | None = None, **fields: Any)
     if eps is None:
         raise ValueError(f"bundle {name!r} needs the threat model's eps")
     b = BUNDLES[name]
-    attacks = tuple(spec for spec, only in b.attacks if only is None or norm in only)
+    attacks = tuple(spec for spec, only in b.attacks
+                    if norm in (only or suites.ATTACKS[spec.name].norms))
     # Run in full, a cascade bundle keeps none of its own cascade settings (focus, probe,
     # escalate, segments, buckets, cascade of restarts): every attack, restarts at once, on
     # every example. Settings of an attack the norm leaves out go with it.

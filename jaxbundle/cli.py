@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from typing import Sequence
 
@@ -24,16 +25,10 @@ from rich.table import Table
 from jaxbundle import bundles
 from jaxbundle.bundles import BUNDLES, bundle_attacks
 from jaxbundle.plan import CERTIFY_METHODS, MODES, Plan
-from jaxbundle.presets import PRESETS
+from jaxbundle.presets import DEMO_MODELS, PRESETS, certify_for
 from jaxbundle.suites import ATTACKS
 
 __all__ = ["build_plan", "main"]
-
-# The demo job's certified lower bound (docs/certify.md): tight on the certified demo model,
-# a few forward passes per bound.
-DEMO_CERTIFY = "crown-ibp"
-DEMO_MODELS = ["standard", "adversarial", "certified"]
-
 
 def build_plan(args: argparse.Namespace, norm: str, eps: float) -> Plan:
     """The plan the flags ask for: ``--bundle``'s (or ``--attacks``' in full mode) with every
@@ -47,13 +42,12 @@ def build_plan(args: argparse.Namespace, norm: str, eps: float) -> Plan:
         ("batch_size", None if args.batch_size == "auto" else args.batch_size),
         ("seed", args.seed),
         ("judging", args.judging), ("eot", args.eot), ("judge_calls", args.judge_calls),
-        ("success_threshold", args.success_threshold), ("certify", _certify_method(args)),
+        ("success_threshold", args.success_threshold),
+        ("certify", certify_for(args.certify, args.models is None and not args.model)),
         ("certify_time_limit", args.certify_time_limit)) if v is not None}
     mode = {} if args.schedule is None else {"mode": args.schedule}
     base = (Plan(eps=eps, norm=norm, attacks=tuple(args.attacks), **mode) if args.attacks
             else bundles.plan(args.bundle, norm, eps, **mode))
-    if args.threshold is not None:
-        fields["goal"] = "max_confidence"
     if args.focus:
         fields["focus"] = tuple({**base.focus_map, **dict(args.focus)}.items())
     if args.probe:
@@ -61,16 +55,6 @@ def build_plan(args: argparse.Namespace, norm: str, eps: float) -> Plan:
     if args.escalate:
         fields["escalate"] = tuple({**base.escalate_map, **dict(args.escalate)}.items())
     return base.replace(**fields).check()
-
-
-def _certify_method(args: argparse.Namespace) -> str | None:
-    """``--certify``'s method: ``none`` turns it off; without the flag the demo job (no
-    ``--model``, no ``--models``) certifies with :data:`DEMO_CERTIFY`, other runs do not."""
-    if args.certify == "none":
-        return None
-    if args.certify is None and args.models is None and not args.model:
-        return DEMO_CERTIFY
-    return args.certify
 
 
 def _positive_int(text: str) -> int:
@@ -390,13 +374,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _list_attacks(console: Console) -> None:
-    from jaxbundle.attacks import CATALOGUE
-
-    t = Table(title="jaxbundle attacks")
-    for column in ("name", "norms", "kind", "goal", "paper"):
+    t = Table(title="attacks (--attacks, --focus, the report: jaxbundle.suites.ATTACKS)")
+    for column in ("name", "norms", "kind", "goal", "budget", "paper"):
         t.add_column(column, overflow="fold")
-    for info in CATALOGUE:
-        t.add_row(info.name, ", ".join(info.norms), info.kind, info.goal, info.paper)
+    for record in ATTACKS.values():
+        made = record.made()
+        t.add_row(record.name, ", ".join(record.norms), made.kind, made.goal, _budget(made),
+                  re.match(r".*?\d{4}", record.paper).group(0))
     console.print(t)
     b = Table(title="bundles (--bundle)")
     for column in ("name", "linf", "l2"):
@@ -404,16 +388,17 @@ def _list_attacks(console: Console) -> None:
     for name in BUNDLES:
         b.add_row(name, *(_describe(bundle_attacks(name, norm)) for norm in ("linf", "l2")))
     console.print(b)
-    console.print(f"attack names for --attacks: {', '.join(ATTACKS)}")
 
 
 def _describe(attacks) -> str:
-    return ", ".join(
-        f"{a.name} ({a.num_steps} step{'s' if a.num_steps > 1 else ''}"
-        + (f" x {a.num_restarts}" if a.num_restarts > 1 else "")
-        + ")"
-        for a in attacks
-    )
+    return ", ".join(f"{a.name} ({_budget(a)})" for a in attacks)
+
+
+def _budget(a) -> str:
+    if a.kind != "white-box" and a.queries:
+        return f"{a.queries} queries"
+    return (f"{a.num_steps} step{'s' if a.num_steps > 1 else ''}"
+            + (f" x {a.num_restarts}" if a.num_restarts > 1 else ""))
 
 
 def _evaluate(args: argparse.Namespace, console: Console) -> None:
@@ -425,13 +410,12 @@ def _evaluate(args: argparse.Namespace, console: Console) -> None:
     source = data.open_source(
         args.data, data_dir=args.data_dir, download=args.download, image_size=args.image_size
     )
-    n = args.n if args.n is not None else (1000 if args.data.startswith("mnist-sample") else None)
-    source = data.head(source, n)
+    source = data.head(source, presets.default_n(args.data, args.n))
     norm, eps, preset = presets.resolve(source.name, args.preset, args.norm, args.eps)
     demo = dict(cache_dir=args.cache_dir, train_examples=args.train_examples,
                 train_epochs=args.train_epochs)
     demo_names = args.models if args.models is not None else ([] if args.model else
-                                                               DEMO_MODELS)
+                                                               list(DEMO_MODELS))
     refs = [job.demo_model(m, **demo) for m in demo_names] + [job.user_model(s) for s in args.model]
     surrogates = [
         job.demo_model(s, **demo) if s in models.MODELS or s in models.DEFENCES

@@ -128,7 +128,10 @@ class Plan:
             set_(field, tuple((str(k), v) for k, v in pairs))
 
     def replace(self, **changes: Any) -> "Plan":
-        """The same plan with ``changes`` (``dataclasses.replace``)."""
+        """The same plan with ``changes`` (``dataclasses.replace``). A ``threshold`` given
+        without a ``goal`` is the max_confidence goal's t: it selects that goal."""
+        if changes.get("threshold") is not None and "goal" not in changes:
+            changes["goal"] = "max_confidence"
         return dataclasses.replace(self, **changes)
 
     @property

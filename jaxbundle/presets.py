@@ -14,13 +14,42 @@ preset                   norm   eps      where it is standard
 The first preset of a dataset is its default (:func:`default_preset`); flags override either
 field (another norm alone selects that norm's preset of the dataset), and the report records
 the preset and what was overridden.
+
+The demo job's defaults (``jaxbundle evaluate`` with no ``--model``): :data:`DEMO_MODELS`,
+certified by :data:`DEMO_CERTIFY` unless ``--certify`` says otherwise (:func:`certify_for`), on
+the embedded sample's first :data:`SAMPLE_N` images unless ``--n`` says otherwise
+(:func:`default_n`).
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["PRESETS", "Preset", "default_preset", "resolve"]
+__all__ = ["DEMO_CERTIFY", "DEMO_MODELS", "PRESETS", "Preset", "SAMPLE_N", "certify_for",
+           "default_n", "default_preset", "resolve"]
+
+DEMO_MODELS = ("standard", "adversarial", "certified")
+# The demo job's certified lower bound (docs/certify.md): tight on the certified demo model,
+# a few forward passes per bound.
+DEMO_CERTIFY = "crown-ibp"
+SAMPLE_N = 1000  # the embedded sample's images a run takes unless told
+
+
+def certify_for(certify: str | None, demo: bool) -> str | None:
+    """The certification method of a run: ``certify`` as asked (``"none"``: off), or without
+    one :data:`DEMO_CERTIFY` for the demo job (``demo``: no model of the user's or named) and
+    none for other runs."""
+    if certify == "none":
+        return None
+    return DEMO_CERTIFY if certify is None and demo else certify
+
+
+def default_n(data_spec: str, n: int | None) -> int | None:
+    """How many images of the data a run takes: ``n`` as asked, else :data:`SAMPLE_N` of the
+    embedded sample (``mnist-sample...``) and all of any other data."""
+    if n is not None:
+        return n
+    return SAMPLE_N if data_spec.startswith("mnist-sample") else None
 
 
 class Preset(NamedTuple):

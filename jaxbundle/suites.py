@@ -1,125 +1,139 @@
 """Attacks by name: what ``--attacks``, ``--focus``, a bundle, the report and the per-example
 arrays call them (one vocabulary: :func:`attack` gives the attack the name it was asked by).
 
-``steps`` and ``restarts`` override an iterative white-box attack's defaults, ``queries`` the
-query budget of a black-box attack (:data:`QUERY_ATTACKS`); ``step_size`` is PGD's. Named
+Each name is one record (:class:`NamedAttack`, as optax's aliases are partials of its
+factories): a factory of :mod:`jaxbundle.attacks` with some of its arguments fixed, the plan's
+overrides it takes (``steps`` and ``restarts`` of an iterative attack, ``step_size`` of PGD,
+``queries``: the model-query budget of a black-box attack), the norms it works in and its
+paper. :data:`QUERY_ATTACKS` and ``jaxbundle attacks``' table are views of the records. Named
 bundles of these attacks, with their schedules, are plans: :mod:`jaxbundle.bundles`.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import functools
+from typing import Any, Callable, NamedTuple
 
 from jaxbundle import attacks as attacks_lib
-from jaxbundle import norms
+from jaxbundle import norms as norms_lib
 from jaxbundle.attacks.base import Attack, check_count
 
-__all__ = ["ATTACKS", "QUERY_ATTACKS", "attack"]
+__all__ = ["ATTACKS", "OPTIONS", "PAPERS", "QUERY_ATTACKS", "NamedAttack", "attack"]
 
+OPTIONS = ("steps", "restarts", "step_size", "queries")  # the plan's overrides of a budget
 
-def _pgd(loss: str) -> Callable[..., Attack]:
-    def make(norm, steps=None, restarts=None, step_size=None):
-        return attacks_lib.pgd(
-            norm, loss=loss, steps=steps or 40, restarts=restarts or 1, step_size=step_size
-        )
-
-    return make
-
-
-def _apgd(loss: str, targets: int = 9, name: str | None = None) -> Callable[..., Attack]:
-    def make(norm, steps=None, restarts=None, step_size=None):
-        del step_size
-        if loss.endswith("targeted"):
-            return attacks_lib.apgd(norm, loss=loss, steps=steps or 100, targets=targets,
-                                    name=name)
-        return attacks_lib.apgd(norm, loss=loss, steps=steps or 100, restarts=restarts or 1,
-                                name=name)
-
-    return make
-
-
-def _min_norm(factory: Callable[..., Attack], takes_norm: bool = True) -> Callable[..., Attack]:
-    def make(norm, steps=None, restarts=None, step_size=None):
-        del restarts, step_size
-        kwargs: dict[str, Any] = {} if steps is None else {"steps": steps}
-        return factory(norm, **kwargs) if takes_norm else factory(**kwargs)
-
-    return make
-
-
-# name -> make(norm, steps=None, restarts=None, step_size=None) -> Attack
-ATTACKS: dict[str, Callable[..., Attack]] = {
-    "fgsm": lambda norm, steps=None, restarts=None, step_size=None: attacks_lib.fgsm(norm),
-    "pgd-ce": _pgd("ce"),
-    "pgd-margin": _pgd("margin"),
-    "pgd-dlr": _pgd("dlr"),
-    "apgd-ce": _apgd("ce"),
-    # A second APGD-CE under its own name, so that a cascade can focus it (Schedule.focus).
-    "apgd-ce-long": _apgd("ce", name="apgd-ce-long"),
-    "apgd-dlr": _apgd("dlr"),
-    "apgd-t": _apgd("dlr-targeted"),
-    "apgd-t3": _apgd("dlr-targeted", targets=3),
-    "apgd-t5": _apgd("dlr-targeted", targets=5),
-    # BP as this library runs it (not the authors' loss and steps): a variant, named so.
-    "bp-variant": _min_norm(attacks_lib.bp),
-    "fmn": _min_norm(attacks_lib.fmn),
-    # CW-L2 with 100 Adam steps per stage (a light budget) and with the reference code's
-    # (up to 10,000 per stage, abort-early; --steps sets the per-stage maximum).
-    "cw-l2-light": _min_norm(attacks_lib.cw, takes_norm=False),
-    "cw-l2": lambda norm, steps=None, restarts=None, step_size=None: _l2_only(
-        "cw-l2", norm, attacks_lib.cw_reference(max_iterations=steps or 10_000)),
-    "deepfool": _min_norm(attacks_lib.deepfool),
-    # AutoAttack's FAB-T in the reference's order (a fresh gradient after a step back): on the
-    # demo adversarial CNN at L2 1.5 it left 50.4 % against torchattacks' 49.2 %, the one-pass
-    # order 51.6 % (experiments/fidelity_fab.py).
-    "fab-t": lambda norm, steps=None, restarts=None, step_size=None: attacks_lib.fab(
-        norm, steps=steps or 100, fresh_gradient=True
-    ),
-    # FAB-T with 3 target classes (AutoAttack's has 9), for a cheaper minimum-norm stage.
-    "fab-t3": lambda norm, steps=None, restarts=None, step_size=None: attacks_lib.fab(
-        norm, steps=steps or 100, targets=3, name="fab-t3"
-    ),
-    "spsa": lambda norm, steps=None, restarts=None, step_size=None: attacks_lib.spsa(
-        norm, steps=steps or 100
-    ),
-    # Black-box budgets are queries; --steps does not change them.
-    "square": lambda norm, steps=None, restarts=None, step_size=None, queries=5000: (
-        attacks_lib.square(norm, queries=queries)
-    ),
-    # AutoAttack's Square: p_init 0.8 in both norms, the p schedule as written for 10,000.
-    "square-aa": lambda norm, steps=None, restarts=None, step_size=None, queries=5000: (
-        attacks_lib.square(
-            norm, queries=queries, p_init=0.8, rescale_schedule=False, name="square-aa"
-        )
-    ),
-    "rays": lambda norm, steps=None, restarts=None, step_size=None, queries=5000: _rays(
-        norm, queries
-    ),
-    "surfree": lambda norm, steps=None, restarts=None, step_size=None, queries=5000: _surfree(
-        norm, queries
-    ),
+# The paper of each factory of jaxbundle.attacks (help(jaxbundle.attacks.<factory>) says how
+# this library's version differs).
+PAPERS = {
+    "fgsm": "Goodfellow, Shlens & Szegedy 2015, Explaining and Harnessing Adversarial Examples",
+    "pgd": "Madry et al. 2018, Towards Deep Learning Models Resistant to Adversarial Attacks",
+    "apgd": "Croce & Hein 2020, Reliable Evaluation of Adversarial Robustness with an Ensemble "
+            "of Diverse Parameter-free Attacks (APGD-CE, APGD-DLR, APGD-T)",
+    "bp": "Zhang, Avrithis, Furon & Amsaleg 2020, Walking on the Edge: Fast, Low-Distortion "
+          "Adversarial Examples (stage-1 step from Pautrat et al. 2021, RoBIC)",
+    "cw": "Carlini & Wagner 2017, Towards Evaluating the Robustness of Neural Networks",
+    "fmn": "Pintor, Roli, Brendel & Biggio 2021, Fast Minimum-norm Adversarial Attacks through "
+           "Adaptive Norm Constraints",
+    "deepfool": "Moosavi-Dezfooli, Fawzi & Frossard 2016, DeepFool: a simple and accurate "
+                "method to fool deep neural networks",
+    "fab": "Croce & Hein 2020, Minimally distorted Adversarial Examples with a Fast Adaptive "
+           "Boundary Attack (FAB; FAB-T, its targeted version in AutoAttack)",
+    "spsa": "Uesato, O'Donoghue, van den Oord & Kohli 2018, Adversarial Risk and the Dangers of "
+            "Evaluating Against Weak Attacks",
+    "square": "Andriushchenko, Croce, Flammarion & Hein 2020, Square Attack: a "
+              "query-efficient black-box adversarial attack via random search",
+    "rays": "Chen & Gu 2020, RayS: A Ray Searching Method for Hard-label Adversarial Attack",
+    "surfree": "Maho, Furon & Le Merrer 2021, SurFree: a fast surrogate-free black-box attack",
 }
 
 
-def _l2_only(name: str, norm: str, attack: Attack) -> Attack:
-    if norm != "l2":
-        raise ValueError(f"attack {name!r} works in norm 'l2', not {norm!r}")
-    return attack
+class NamedAttack(NamedTuple):
+    """One named attack: ``build(norm, **options)`` makes it (``options``: those of
+    :attr:`options` the plan sets), in any of :attr:`norms`; :attr:`family` is its factory in
+    :mod:`jaxbundle.attacks` (its paper :data:`PAPERS`)."""
+
+    name: str
+    build: Callable[..., Attack]
+    options: tuple[str, ...]
+    norms: tuple[str, ...]
+    family: str
+
+    @property
+    def paper(self) -> str:
+        return PAPERS[self.family]
+
+    @property
+    def queries(self) -> bool:
+        """Whether its budget is model queries (``queries=``), not steps."""
+        return "queries" in self.options
+
+    def made(self) -> Attack:
+        """The attack with its own budget in its first norm (for its kind and goal)."""
+        return attack(self.name, self.norms[0])
 
 
-def _rays(norm: str, queries: int) -> Attack:
-    if norm != "linf":
-        raise ValueError(f"attack 'rays' works in norm 'linf', not {norm!r}")
+BOTH = ("linf", "l2")
+
+
+def _normless(factory: Callable[..., Attack]) -> Callable[..., Attack]:
+    """A factory with no ``norm`` argument (the record says which norms it works in)."""
+    return lambda norm, **kwargs: factory(**kwargs)
+
+
+def _rays(norm: str, queries: int = 5000) -> Attack:
+    del norm
     return attacks_lib.rays(steps=queries - 1)  # 1 query at init, 1 per step
 
 
-def _surfree(norm: str, queries: int) -> Attack:
-    if norm != "l2":
-        raise ValueError(f"attack 'surfree' works in norm 'l2', not {norm!r}")
-    return attacks_lib.surfree(queries=queries)
+def _cw_reference(norm: str, steps: int = 10_000) -> Attack:
+    del norm  # --steps sets the per-stage maximum of the reference's abort-early search
+    return attacks_lib.cw_reference(max_iterations=steps)
+
+
+def _record(name: str, family: str, build: Callable[..., Attack], options: tuple[str, ...],
+            norms: tuple[str, ...] = BOTH, **fixed: Any) -> NamedAttack:
+    return NamedAttack(name, functools.partial(build, **fixed) if fixed else build, options,
+                       norms, family)
+
+
+_STEPS, _RESTARTS = ("steps",), ("steps", "restarts")
+ATTACKS: dict[str, NamedAttack] = {r.name: r for r in (
+    _record("fgsm", "fgsm", attacks_lib.fgsm, ()),
+    *(_record(f"pgd-{loss}", "pgd", attacks_lib.pgd, (*_RESTARTS, "step_size"), loss=loss)
+      for loss in ("ce", "margin", "dlr")),
+    _record("apgd-ce", "apgd", attacks_lib.apgd, _RESTARTS, loss="ce"),
+    # A second APGD-CE under its own name, so that a cascade can focus it (Plan.focus).
+    _record("apgd-ce-long", "apgd", attacks_lib.apgd, _RESTARTS, loss="ce"),
+    _record("apgd-dlr", "apgd", attacks_lib.apgd, _RESTARTS, loss="dlr"),
+    *(_record(name, "apgd", attacks_lib.apgd, _STEPS, loss="dlr-targeted", targets=targets)
+      for name, targets in (("apgd-t", 9), ("apgd-t3", 3), ("apgd-t5", 5))),
+    # BP as this library runs it (not the authors' loss and steps): a variant, named so.
+    _record("bp-variant", "bp", attacks_lib.bp, _STEPS, ("l2",)),
+    _record("fmn", "fmn", attacks_lib.fmn, _STEPS, ("linf", "l2", "l1")),
+    # CW-L2 with 100 Adam steps per stage (a light budget) and with the reference code's
+    # (up to 10,000 per stage, abort-early; --steps sets the per-stage maximum).
+    _record("cw-l2-light", "cw", _normless(attacks_lib.cw), _STEPS, ("l2",)),
+    _record("cw-l2", "cw", _cw_reference, _STEPS, ("l2",)),
+    _record("deepfool", "deepfool", attacks_lib.deepfool, _STEPS),
+    # AutoAttack's FAB-T in the reference's order (a fresh gradient after a step back): on the
+    # demo adversarial CNN at L2 1.5 it left 50.4 % against torchattacks' 49.2 %, the one-pass
+    # order 51.6 % (experiments/fidelity_fab.py).
+    _record("fab-t", "fab", attacks_lib.fab, _STEPS, fresh_gradient=True),
+    # FAB-T with 3 target classes (AutoAttack's has 9), for a cheaper minimum-norm stage.
+    _record("fab-t3", "fab", attacks_lib.fab, _STEPS, targets=3),
+    _record("spsa", "spsa", attacks_lib.spsa, _STEPS, ("linf",)),
+    # Black-box budgets are queries; --steps does not change them.
+    _record("square", "square", attacks_lib.square, ("queries",)),
+    # AutoAttack's Square: p_init 0.8 in both norms, the p schedule as written for 10,000.
+    _record("square-aa", "square", attacks_lib.square, ("queries",), p_init=0.8,
+            rescale_schedule=False),
+    _record("rays", "rays", _rays, ("queries",), ("linf",)),
+    _record("surfree", "surfree", _normless(attacks_lib.surfree), ("queries",), ("l2",)),
+)}
 
 # The attacks whose budget is model queries (``queries=``, 5,000 by default), not steps.
-QUERY_ATTACKS = frozenset({"square", "square-aa", "rays", "surfree"})
+QUERY_ATTACKS = frozenset(name for name, r in ATTACKS.items() if r.queries)
+
 
 def attack(
     name: str,
@@ -132,15 +146,21 @@ def attack(
 ) -> Attack:
     """Builds the attack called ``name`` (see :data:`ATTACKS`) for the threat norm ``norm``.
 
-    ``queries`` is the model-query budget of a black-box attack of :data:`QUERY_ATTACKS`
-    (default 5,000); the other attacks have none and ignore it."""
-    norms.check_norm(norm)
+    Each override applies to the attacks whose record takes it (``steps``, ``restarts``:
+    iterative attacks; ``step_size``: PGD; ``queries``: the black-box attacks of
+    :data:`QUERY_ATTACKS`, default 5,000); the others ignore it."""
+    norms_lib.check_norm(norm)
     if name not in ATTACKS:
         raise ValueError(f"unknown attack {name!r}; choose from {', '.join(ATTACKS)}")
-    options: dict[str, Any] = dict(steps=steps, restarts=restarts, step_size=step_size)
-    if name in QUERY_ATTACKS and queries is not None:
-        options["queries"] = check_count(name, "queries", queries, minimum=2)
-    built = ATTACKS[name](norm, **options)
+    record = ATTACKS[name]
+    if norm not in record.norms:
+        raise ValueError(f"attack {name!r} works in norm {' or '.join(map(repr, record.norms))}"
+                         f", not {norm!r}")
+    given = dict(steps=steps, restarts=restarts, step_size=step_size, queries=queries)
+    options = {k: v for k, v in given.items() if k in record.options and v is not None}
+    if "queries" in options:
+        check_count(name, "queries", options["queries"], minimum=2)
+    built = record.build(norm, **options)
     if built.name != name:  # one vocabulary: the attack is called what it was asked for
         built = built.rename(name)
     if built.norm != norm:

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxbundle import attacks, norms
+from jaxbundle import attacks, norms, suites
 from jaxbundle.attacks.base import KINDS, Attack, Candidate, WhiteBoxModel, threat_model
 from jaxbundle.bundler import bundle
 from attack_checks import assert_refused
@@ -369,24 +369,24 @@ def test_an_unknown_kind_is_an_error_not_white_box_access():
         check_attacks([typo], "linf")
 
 
-def _catalogue_modules():
-    """(catalogue entry, module, factory names) of every attack: its subpackage is its kind."""
-    factories = {"cw-l2": ("cw", "cw_reference")}
-    for info in attacks.CATALOGUE:
-        stem = info.name.split("-")[0]
-        package = info.kind.replace("-", "_")
-        yield info, f"jaxbundle.attacks.{package}.{stem}", factories.get(info.name, (stem,))
+def _factory_modules():
+    """(paper, module, factory names) of every factory: its subpackage is its kind."""
+    factories = {"cw": ("cw", "cw_reference")}
+    for family, paper in suites.PAPERS.items():
+        record = next(r for r in suites.ATTACKS.values() if r.family == family)
+        package = record.made().kind.replace("-", "_")
+        yield paper, f"jaxbundle.attacks.{package}.{family}", factories.get(family, (family,))
 
 
-@pytest.mark.parametrize("info,module_name,factory_names", list(_catalogue_modules()),
-                         ids=[i.name for i in attacks.CATALOGUE])
-def test_attack_modules_and_factories_are_apart(info, module_name, factory_names):
+@pytest.mark.parametrize("paper,module_name,factory_names", list(_factory_modules()),
+                         ids=list(suites.PAPERS))
+def test_attack_modules_and_factories_are_apart(paper, module_name, factory_names):
     module = importlib.import_module(module_name)
     package, stem = module_name.rsplit(".", 1)
     # The subpackage attribute is the module itself, not rebound to the factory: help() on it
     # shows the algorithm, which opens with the paper's authors.
     assert isinstance(getattr(importlib.import_module(package), stem), types.ModuleType)
-    first_author = info.paper.split(",")[0].split(" ")[0]
+    first_author = paper.split(",")[0].split(" ")[0]
     assert first_author in module.__doc__.split("\n\n")[0] and len(module.__doc__) > 300
     for name in factory_names:
         factory = getattr(attacks, name)
@@ -394,13 +394,13 @@ def test_attack_modules_and_factories_are_apart(info, module_name, factory_names
         doc = factory.__doc__
         assert "Args:" in doc and "Returns:" in doc
         assert f":mod:`{module_name}`" in doc, "the factory points to its algorithm"
-        authors_year = re.match(r"(.*? (19|20)\d\d),", info.paper).group(1)
+        authors_year = re.match(r"(.*? (19|20)\d\d),", paper).group(1)
         assert " ".join(authors_year.split()) in " ".join(doc.split()), "and names its paper"
 
 
-def test_every_attack_module_is_in_the_catalogue():
+def test_every_attack_module_has_a_named_attack():
     root = pathlib.Path(attacks.__file__).parent
     # Private modules (an attack's helpers, such as _surfree_geometry) are no attacks.
     found = {f"jaxbundle.attacks.{p.parent.name}.{p.stem}"
              for p in root.glob("*/*.py") if not p.stem.startswith("_")}
-    assert found == {m for _, m, _ in _catalogue_modules()}
+    assert found == {m for _, m, _ in _factory_modules()}

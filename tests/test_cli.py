@@ -14,6 +14,8 @@ import sys
 import numpy as np
 import pytest
 
+from jaxbundle import suites
+from jaxbundle.bundles import BUNDLES
 from jaxbundle.cli import main
 from toys import (CLI, QUICK_TRAINING, assert_all_succeeded, coordinator_port, python_command,
                   run_processes)
@@ -27,8 +29,9 @@ TINY = ["--n", "16", "--train-examples", str(TRAIN_EXAMPLES), "--train-epochs",
 def test_attacks_lists_every_attack(capsys):
     assert main(["attacks"]) == 0
     out = capsys.readouterr().out
-    for text in ("fgsm", "pgd", "linf", "white-box", "Madry", "Goodfellow", "apgd", "Croce",
-                 "min_norm", "cw-l2", "bundles", "standard", "fast"):
+    for text in ("linf", "white-box", "score-based", "decision-based", "Madry", "Goodfellow",
+                 "Croce", "min_norm", "bundles", "queries", *suites.ATTACKS,
+                 *BUNDLES):
         assert text in out
 
 

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from jaxbundle import cli
+from jaxbundle import presets
 from jaxbundle.cli import _parser, main
 from docs_pages import (COMMANDS, DEFAULT_FOCUS, DOCS, README, ROOT, Command, _write_my_model,
                         _write_test_npz)
@@ -134,7 +134,7 @@ def _check_dry_run(argv: list[str], out: dict, joined: list[dict]) -> None:
     if args.data.startswith("mnist-sample"):  # 2,000 test images; the first 1000 by default
         assert out["data"]["n"] == (1000 if args.n is None else args.n)
     demo = args.models if args.models is not None else ([] if args.model else
-                                                         cli.DEMO_MODELS)
+                                                         list(presets.DEMO_MODELS))
     assert out["models"] == demo + args.model
     assert joined == []  # a dry run checks a multi-process command without joining
 
@@ -188,6 +188,12 @@ def test_command(command: Command, command_directory, capsys, request):
         assert _documented_attack_names() == set(ATTACKS)
         for name in ATTACKS:
             assert name in out
+        for row in _table(DOCS / "attacks.md", "| name | attack |"):  # norms and kind too
+            for name in re.findall(r"`([\w-]+)`", row[0]):
+                record = ATTACKS[name]
+                written = {"linf": "Linf", "l2": "L2", "l1": "L1"}
+                assert row[2] == ", ".join(written[n] for n in record.norms), name
+                assert row[3] == record.made().kind, name
     elif argv[0] == "compare":
         _run_compare(argv, request.getfixturevalue("tiny_report"), capsys)
     else:

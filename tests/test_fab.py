@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import test_attacks
-from jaxbundle import attacks, norms
+from jaxbundle import attacks, norms, suites
 from jaxbundle.attacks.base import Attack, WhiteBoxModel
 from jaxbundle.attacks.white_box.fab import fab, project_hyperplane
 from jaxbundle.bundler import bundle
@@ -87,8 +87,10 @@ def test_factory_defaults_and_equality():
     assert fab(targets=4, restarts=2).num_restarts == 8
     assert fab(name="x").name == "x"
     assert "fab" in attacks.__all__
-    info = {i.name: i for i in attacks.CATALOGUE}["fab"]
-    assert info.norms == ("linf", "l2") and info.goal == "min_norm" and info.kind == "white-box"
+    for name in ("fab-t", "fab-t3"):
+        record = suites.ATTACKS[name]
+        assert record.norms == ("linf", "l2") and record.family == "fab"
+        assert (record.made().goal, record.made().kind) == ("min_norm", "white-box")
 
 
 def test_factory_rejects_bad_arguments():

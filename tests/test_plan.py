@@ -18,8 +18,9 @@ import pytest
 import jaxbundle
 from jaxbundle import attacks as attacks_lib
 from jaxbundle import bundles, suites
-from jaxbundle.cli import DEMO_CERTIFY, main
+from jaxbundle.cli import main
 from jaxbundle.plan import AttackSpec, Plan
+from jaxbundle.presets import DEMO_CERTIFY
 from toys import images, linear_apply, linear_problem, min_distance
 
 # A tiny user model (a 64-32-10 ReLU MLP on 8x8 digits) and its data, written once per module:
@@ -357,3 +358,14 @@ def test_a_resumed_stochastic_run_refuses_changed_stochastic_options(tmp_path):
         with pytest.raises(ValueError, match=re.escape(f"plan.stochastic.{field}")):
             jaxbundle.evaluate(noisy, params, (x, y), base.replace(**{field: value}),
                                checkpoint_dir=str(tmp_path))
+
+
+def test_a_threshold_selects_the_max_confidence_goal():
+    """``replace(threshold=t)`` (and ``--threshold``) is the max_confidence goal's t; a goal
+    given beside it is kept, and a threshold without that goal is still refused by check."""
+    plan = bundles.default("linf", 0.3).replace(goals=("misclassify", "max_confidence"),
+                                                  threshold=0.5)
+    assert plan.goal == "max_confidence" and plan.check() is plan
+    kept = plan.replace(threshold=0.5, goal="misclassify")
+    with pytest.raises(ValueError, match="set goal='max_confidence'"):
+        kept.check()

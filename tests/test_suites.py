@@ -9,24 +9,41 @@ from jaxbundle import Plan, attacks, bundles, suites
 from jaxbundle.schedule import probe_steps
 
 
-def _family(name: str) -> attacks.AttackInfo:
-    """The catalogue entry of a named attack: ``apgd-t3`` is an ``apgd``, ``cw-l2`` itself."""
-    found = [i for i in attacks.CATALOGUE if name == i.name or name.startswith(i.name + "-")]
-    assert found, f"{name} has no catalogue entry"
-    return max(found, key=lambda i: len(i.name))
-
-
 @pytest.mark.parametrize("name", sorted(suites.ATTACKS))
-def test_every_named_attack_builds_exactly_for_the_norms_its_catalogue_entry_lists(name):
-    info = _family(name)
+def test_every_named_attack_builds_exactly_for_the_norms_its_record_lists(name):
+    """A record's norms are those its factory builds: each listed norm builds (one kind and
+    goal in all of them), each other is refused by the record, and the factory either refuses
+    it too or has no norm argument and builds its own norm."""
+    record = suites.ATTACKS[name]
+    assert record.name == name and record.paper and record.family in suites.PAPERS
+    assert set(record.options) <= set(suites.OPTIONS)
+    kinds = set()
     for norm in ("linf", "l2", "l1"):
-        if norm in info.norms:
+        if norm in record.norms:
             a = suites.attack(name, norm)
             assert isinstance(a, attacks.Attack) and a.norm == norm
-            assert (a.kind, a.goal) == (info.kind, info.goal), "catalogue disagrees with factory"
+            kinds.add((a.kind, a.goal))
         else:
             with pytest.raises(ValueError, match=f"'{norm}'"):
                 suites.attack(name, norm)
+            try:
+                assert record.build(norm).norm in record.norms
+            except ValueError as e:
+                assert f"'{norm}'" in str(e)
+    assert kinds == {(record.made().kind, record.made().goal)}
+
+
+@pytest.mark.parametrize("name", sorted(suites.ATTACKS))
+def test_a_record_takes_exactly_the_overrides_it_lists(name):
+    """Each override a record lists changes the attack; each other leaves it as it is."""
+    record = suites.ATTACKS[name]
+    norm = record.norms[0]
+    own = suites.attack(name, norm)
+    for option, value in (("steps", 7), ("restarts", 3), ("step_size", 0.01),
+                          ("queries", 77)):
+        changed = suites.attack(name, norm, **{option: value})
+        assert (changed != own) == (option in record.options), option
+    assert (name in suites.QUERY_ATTACKS) == ("queries" in record.options)
 
 
 def test_min_norm_attacks_feed_the_min_norm_goal():
@@ -43,7 +60,7 @@ def test_min_norm_attacks_feed_the_min_norm_goal():
 @pytest.mark.parametrize("name", sorted(suites.ATTACKS))
 def test_an_attack_built_by_name_carries_that_name(name):
     """One vocabulary: the name asked for is the name reported (``apgd-t5``, not ``apgd-t``)."""
-    norms = _family(name).norms
+    norms = suites.ATTACKS[name].norms
     assert norms
     for norm in norms:
         assert suites.attack(name, norm).name == name
@@ -85,12 +102,10 @@ def test_unknown_names_and_wrong_norms_are_clear_errors():
         suites.attack("fgsm", "l3")
 
 
-def test_catalogue_lists_every_attack_family_with_its_goal():
-    names = {info.name: info for info in attacks.CATALOGUE}
-    assert {"fgsm", "pgd", "apgd", "bp", "cw-l2", "fmn", "deepfool"} <= set(names)
-    for name in ("bp", "cw-l2", "fmn", "deepfool"):
-        assert names[name].goal == "min_norm"
-    assert all(info.paper and info.kind in attacks.base.KINDS for info in attacks.CATALOGUE)
+def test_every_factory_has_a_paper_and_a_named_attack():
+    assert set(suites.PAPERS) == {r.family for r in suites.ATTACKS.values()}
+    assert all(callable(getattr(attacks, family)) for family in suites.PAPERS)
+    assert all(r.made().kind in attacks.base.KINDS for r in suites.ATTACKS.values())
 
 
 def test_autoattack_bundle_has_autoattacks_original_parameters():

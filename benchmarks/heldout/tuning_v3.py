@@ -49,8 +49,10 @@ _FOCUS_SIZE = schedule._focus_size
 
 def _register_fab(name: str, targets: int, steps: int, fresh: bool) -> None:
     """A FAB-T of ``targets`` x ``steps`` under ``name`` (the plan's overrides ignored)."""
-    suites.ATTACKS[name] = lambda norm, **_: attacks_lib.fab(
-        norm, steps=steps, targets=targets, fresh_gradient=fresh, name=name)
+    suites.ATTACKS[name] = suites.NamedAttack(
+        name, lambda norm: attacks_lib.fab(norm, steps=steps, targets=targets,
+                                           fresh_gradient=fresh, name=name),
+        (), ("linf", "l2"), "fab")
 
 
 def capped(ladders, fraction: float, survivors: int) -> int:
