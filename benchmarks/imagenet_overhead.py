@@ -138,11 +138,11 @@ def _bundle_bytes(attack, plan, apply_fn, params, goals, batch: int) -> int:
     """Bytes XLA plans for attack ``attack``'s bundle program (temporaries and outputs) on a
     batch of ``batch`` 224x224x3 images (compiled, not run)."""
     shape = lambda dtype, *s: jax.ShapeDtypeStruct((batch, *s), dtype)  # noqa: E731
-    m = bundler._bundle.lower(
+    m = bundler.run.lower(
         params, shape(jnp.float32, 224, 224, 3), shape(jnp.int32), jax.random.key(0),
-        shape(jnp.int32), shape(jnp.float32), apply_fn=apply_fn, attacks=(attack,),
-        goal_names=goals, norm=plan.norm, judging="auto", unroll=1,
-        restart_mode=plan.restart_mode).compile().memory_analysis()
+        shape(jnp.int32), shape(jnp.float32), attacks=(attack,),
+        rules=bundler.Rules(apply_fn, goals, plan.norm, "auto", plan.restart_mode, 1),
+    ).compile().memory_analysis()
     return int(m.temp_size_in_bytes + m.output_size_in_bytes)
 
 

@@ -57,10 +57,10 @@ def make_pgd_program(apply_fn, attack, *, fold: bool, unroll: int | bool, loop: 
     """init + steps (+ fold) of attack 0, restart 0, built from the bundler's own pieces;
     ``loop`` "python" (unrolled at trace time) or "scan".
 
-    Mirrors ``bundler._start_attack`` (keys by ``bundler._restart_keys``, the model as the
-    attack sees it by ``bundler._seen``, ``attack.init``) and the body of
-    ``bundler._attack_steps`` (``attack.step``, then with ``fold`` ``candidate_state`` and
-    ``_fold_all``); it leaves out the clean forward (the starting best is scored on zero logits
+    Mirrors ``bundler.Driver.init`` (keys by ``bundler.restart_keys``, the model as the
+    attack sees it by ``bundler.seen``, ``attack.init``) and the body of
+    ``bundler.Driver.steps`` (``attack.step``, then with ``fold`` ``candidate_state`` and
+    ``fold_all``); it leaves out the clean forward (the starting best is scored on zero logits
     with the model's class count), the still-improving bookkeeping, the final forward and the
     verification, which ``bundle`` adds.
     """
@@ -71,8 +71,8 @@ def make_pgd_program(apply_fn, attack, *, fold: bool, unroll: int | bool, loop: 
         model = WhiteBoxModel(apply_fn, params)
         eps = jnp.full(y.shape, EPS, jnp.float32)
         ids = jnp.arange(y.shape[0], dtype=jnp.int32)
-        restart_keys = bundler._restart_keys(per_example_keys(key, ids), 0, 0)
-        seen = bundler._seen(attack, model, restart_keys, sampling.INIT_CALL)
+        restart_keys = bundler.restart_keys(per_example_keys(key, ids), 0, 0)
+        seen = bundler.seen(attack, model, restart_keys, sampling.INIT_CALL)
         state = attack.init(attack.config, restart_keys, x0, y, eps, seen, 0)
         classes = jax.eval_shape(apply_fn, params, x0).shape[-1]
         start = bundler.candidate_state(x0, jnp.zeros((y.shape[0], classes)), x0, y, NORM,
@@ -81,10 +81,10 @@ def make_pgd_program(apply_fn, attack, *, fold: bool, unroll: int | bool, loop: 
 
         def body(carry, t):
             s, b = carry
-            s, cand = attack.step(attack.config, s, bundler._seen(attack, model, restart_keys, t))
+            s, cand = attack.step(attack.config, s, bundler.seen(attack, model, restart_keys, t))
             if fold:
                 c = bundler.candidate_state(cand.x, cand.logits, x0, y, NORM, 0, 0, t, goal_names)
-                b = bundler._fold_all(goal_names, eps, b, c)
+                b = bundler.fold_all(goal_names, eps, b, c)
             return (s, b), None
 
         if loop == "python":

@@ -105,44 +105,39 @@ RESTART_MODE = "vmap"  # bundle()'s default
 
 def make_python_driven(attack, apply_fn, params, x, y, key) -> Callable[[], Any]:
     """bundle()'s work for one attack, with the step loop in Python: built from the bundler's
-    own pieces so that it cannot drift from ``bundler._bundle``.
+    own pieces so that it cannot drift from ``bundler.run``.
 
-    ``init`` is ``bundler.start_stage`` (``_setup``, ``clean_state``, ``_start_attack``: the same
-    keys and init); each ``step`` is ``bundler.step_stage`` for steps ``t .. t + 1`` (the body of
-    ``_attack_steps``: ``attack.step``, ``candidate_state``, ``_fold_all``); ``finish`` mirrors
-    the end of ``_bundle``'s attack loop (``_attack_best``, ``_judged``, ``_fold_each`` into the
-    clean best). What differs from ``bundle`` is the loop (one dispatch per step) and the
-    per-call ``_setup`` (a grid check of the batch) of each stage.
+    ``init`` is ``bundler.start_stage`` (``problem``, ``clean_state``, ``Driver.init``: the same
+    keys and init); each ``step`` is ``bundler.step_stage`` for steps ``t .. t + 1``
+    (``Driver.steps``: ``attack.step``, ``candidate_state``, ``fold_all``); ``finish`` mirrors
+    the end of ``run``'s attack loop (``Driver.judge``, ``fold_each`` into the clean best).
+    What differs from ``bundle`` is the loop (one dispatch per step) and the per-call
+    ``problem`` (a grid check of the batch) of each stage.
     """
     example_id = jnp.arange(x.shape[0], dtype=jnp.int32)
-    stage = dict(apply_fn=apply_fn, attack=attack, index=0, goal_names=GOALS, norm=NORM,
-                 judging=JUDGING, restart_mode=RESTART_MODE)
+    rules = bundler.Rules(apply_fn, GOALS, NORM, JUDGING, RESTART_MODE)
+    driver = bundler.Driver(attack, 0, rules)
 
     def init(p, x0, yy, k, ids):
-        return bundler.start_stage(p, x0, yy, k, ids, EPS, **stage)
+        return bundler.start_stage(p, x0, yy, k, ids, EPS, driver=driver)
 
     def step(p, running, t):
-        return bundler.step_stage(p, running, x, y, EPS, t, t + 1, **stage)
+        return bundler.step_stage(p, running, x, y, EPS, t, t + 1, driver=driver)
 
     @jax.jit
     def finish(p, running):
-        # bundler._bundle's lines after _attack_steps, for attack 0
-        xx, yy, eps, grid, model = bundler._setup(p, x, y, EPS, apply_fn, NORM, JUDGING,
-                                                  running.keys)
-        found = bundler._attack_best(attack, 0, model, xx, yy, eps, NORM, GOALS, running,
-                                     attack.num_steps, RESTART_MODE)
-        found = bundler._judged(attack, found, model, xx, yy, eps, NORM, grid, running.clean,
-                                GOALS, bundler.still_improving(attack, running))[0]
-        return bundler._fold_each(GOALS, eps, {g: running.clean for g in GOALS}, found)
+        # bundler.run's lines after Driver.steps, for attack 0
+        problem = bundler.problem(rules, p, x, y, EPS, running.keys)
+        found = driver.judge(problem, running, attack.num_steps).best
+        return bundler.fold_each(GOALS, problem.eps, {g: running.clean for g in GOALS}, found)
 
     @jax.jit
     def step_nofold(p, running, t):
-        # the body of bundler._attack_steps without candidate_state / _fold_all (restart 0)
-        _, _, _, _, model = bundler._setup(p, x, y, EPS, apply_fn, NORM, JUDGING, running.keys)
-        restart_keys = bundler._restart_keys(running.keys, 0, 0)
+        # the body of Driver.steps without candidate_state / fold_all (restart 0)
+        model = bundler.problem(rules, p, x, y, EPS, running.keys).model
+        restart_keys = bundler.restart_keys(running.keys, 0, 0)
         state = jax.tree.map(lambda a: a[0], running.state)
-        state, _ = attack.step(attack.config, state,
-                               bundler._seen(attack, model, restart_keys, t))
+        state, _ = attack.step(attack.config, state, bundler.seen(attack, model, restart_keys, t))
         return running._replace(state=jax.tree.map(lambda a: a[None], state))
 
     steps_t = [jnp.int32(t) for t in range(attack.num_steps)]
@@ -179,36 +174,35 @@ def make_python_driven(attack, apply_fn, params, x, y, key) -> Callable[[], Any]
 
 @functools.partial(jax.jit, static_argnames=("apply_fn", "attack", "unroll"))
 def _stripped(params, x0, y, key, example_id, *, apply_fn, attack, unroll):
-    """``bundler._bundle`` for one attack (one restart) without the per-step candidate fold.
+    """``bundler.run`` for one attack (one restart) without the per-step candidate fold.
 
-    Built from the bundler's functions: ``_setup``, ``clean_state`` and ``_start_attack`` as in
-    ``_bundle``; the scan runs the body of ``_attack_steps`` minus ``candidate_state`` /
-    ``_fold_all`` (``attack.step`` on the model ``_seen`` under the restart's keys); then
-    ``_attack_best`` (the final iterate folded into the clean start), ``_judged`` and
-    ``_fold_each`` as in ``_bundle``.
+    Built from the bundler's functions: ``problem``, ``clean_state`` and ``Driver.init`` as in
+    ``run``; the scan runs the body of ``Driver.steps`` minus ``candidate_state`` /
+    ``fold_all`` (``attack.step`` on the model ``seen`` under the restart's keys); then
+    ``Driver.judge`` (the final iterate folded into the clean start, verified) and
+    ``fold_each`` as in ``run``.
     """
     if attack.num_restarts != 1:
         raise ValueError("the stripped program runs one restart")
+    rules = bundler.Rules(apply_fn, GOALS, NORM, JUDGING, RESTART_MODE)
+    driver = bundler.Driver(attack, 0, rules)
     keys = per_example_keys(key, example_id)
-    x, y, eps, grid, model = bundler._setup(params, x0, y, EPS, apply_fn, NORM, JUDGING, keys)
-    clean = bundler.clean_state(model, x, y, NORM)
-    running = bundler._start_attack(attack, 0, model, keys, x, y, eps, clean, GOALS,
-                                    RESTART_MODE)
-    restart_keys = bundler._restart_keys(keys, 0, 0)
+    problem = bundler.problem(rules, params, x0, y, EPS, keys)
+    clean = bundler.clean_state(rules, problem)
+    running = driver.init(problem, clean)
+    restart_keys = bundler.restart_keys(keys, 0, 0)
 
     def body(state, t):
-        state, _ = attack.step(attack.config, state, bundler._seen(attack, model, restart_keys, t))
+        state, _ = attack.step(attack.config, state,
+                               bundler.seen(attack, problem.model, restart_keys, t))
         return state, None
 
     state = jax.tree.map(lambda a: a[0], running.state)
     state, _ = jax.lax.scan(body, state, jnp.arange(attack.num_steps, dtype=jnp.int32),
                             unroll=unroll)
     running = running._replace(state=jax.tree.map(lambda a: a[None], state))
-    found = bundler._attack_best(attack, 0, model, x, y, eps, NORM, GOALS, running,
-                                 attack.num_steps, RESTART_MODE)
-    found = bundler._judged(attack, found, model, x, y, eps, NORM, grid, clean, GOALS,
-                            bundler.still_improving(attack, running))[0]
-    return bundler._fold_each(GOALS, eps, {g: clean for g in GOALS}, found)
+    found = driver.judge(problem, running, attack.num_steps).best
+    return bundler.fold_each(GOALS, problem.eps, {g: clean for g in GOALS}, found)
 
 
 def make_stripped(attack, apply_fn, params, x, y, key, unroll) -> Callable[[], Any]:
@@ -319,17 +313,16 @@ def _hlo_report(args, attack, apply_fn, params, x, y, key, n, twin) -> dict[str,
     diag = {}
     ids = jnp.arange(n, dtype=jnp.int32)
     for u in args.unrolls:
-        c = bundler._bundle.lower(
-            params, x, y, key, ids, EPS, apply_fn=apply_fn, attacks=(attack,), goal_names=GOALS,
-            norm=NORM, judging="auto", unroll=u, restart_mode="vmap",
+        c = bundler.run.lower(
+            params, x, y, key, ids, EPS, attacks=(attack,),
+            rules=bundler.Rules(apply_fn, GOALS, NORM, "auto", "vmap", u),
         ).compile()
         diag[f"bundle_unroll={u}"] = conv_layout_report(c.as_text())
     if twin is not None:
         twin_label, twin_fn = twin
-        c = bundler._bundle.lower(
-            params, x, y, key, ids, EPS, apply_fn=twin_fn,
-            attacks=(attack,), goal_names=GOALS, norm=NORM, judging="auto", unroll=1,
-            restart_mode="vmap",
+        c = bundler.run.lower(
+            params, x, y, key, ids, EPS, attacks=(attack,),
+            rules=bundler.Rules(twin_fn, GOALS, NORM, "auto", "vmap", 1),
         ).compile()
         diag[f"diag_bundle_unroll=1_{twin_label}"] = conv_layout_report(c.as_text())
     return diag

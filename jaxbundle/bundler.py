@@ -21,7 +21,11 @@ jitted program. For each attack (a Python loop at trace time over a static tuple
 The misclassify goal is always tracked, and each attack's own verified success is kept, so the
 many-attack table, the worst-attack table and the bundled figure come from one run.
 
-The same pieces, jitted one attack at a time (:func:`start_stage`, :func:`step_stage`,
+The records: :class:`Rules` (the static rules of a run: the model, the goals, the norm, how
+candidates are judged, how restarts run), :class:`Problem` (one batch as the attacks and the
+judge see it, built once per program by :func:`problem`) and :class:`Driver` (one attack of the
+run: ``init``, ``steps`` and ``judge``, steps 1-5 above). :func:`run` is the jitted bundle;
+the same three calls, jitted one attack at a time (:func:`start_stage`, :func:`step_stage`,
 :func:`judge_stage`, :func:`take_rows`), let a cascade run a stage in segments and gather the
 rows still running between them (:mod:`jaxbundle.schedule`).
 """
@@ -37,14 +41,17 @@ import jax.numpy as jnp
 from jaxbundle import goals as goals_lib, norms, sampling
 from jaxbundle.attacks.base import Attack, WhiteBoxModel, per_example_keys, threat_model
 from jaxbundle.canonical import fast_gradients
-from jaxbundle.goals import BestState
+from jaxbundle.goals import (BestState, candidate_state, cross_fold, fold, fold_all, fold_each,
+                             fold_stacked)
 from jaxbundle.judge import STRETCH, check_judging, judged_on_grid, judged_score, verify
 from jaxbundle.judge import held_out as judge_held_out
 from jaxbundle.validation import check_attacks, check_eot, check_inputs, goals_for
 
-__all__ = ["BestState", "BundleResult", "fold", "candidate_state", "bundle", "check_attacks",
-           "check_eot", "goals_for", "check_inputs", "Running", "start_stage", "step_stage",
-           "judge_stage", "take_rows", "still_improving", "window_start", "held_out"]
+__all__ = ["BestState", "BundleResult", "Driver", "Judged", "Problem", "Rules", "Running",
+           "bundle", "candidate_state", "check_attacks", "check_eot", "check_inputs",
+           "clean_state", "fold", "fold_all", "fold_each", "goals_for", "held_out",
+           "judge_stage", "problem", "restart_keys", "run", "seen", "start_stage",
+           "step_stage", "still_improving", "take_rows", "window_start"]
 
 
 class BundleResult(NamedTuple):
@@ -68,81 +75,71 @@ class BundleResult(NamedTuple):
     #   hold the held-out calls' scores, see :func:`held_out`); None: a deterministic model
 
 
-def fold(goal: str, eps: jax.Array, best: BestState, cand: BestState) -> BestState:
-    """Keeps, per example, ``cand`` where ``goal`` prefers it to ``best``."""
-    return norms.tree_where(goals_lib.GOALS[goal].take(best.score, cand.score, eps), cand, best)
+class Rules(NamedTuple):
+    """The static rules of a run (hashable: one program per distinct rules)."""
+
+    apply_fn: Callable[[Any, jax.Array], jax.Array]
+    goal_names: tuple[str, ...]
+    norm: str
+    judging: str = "auto"
+    restart_mode: str = "vmap"
+    unroll: int | bool = 1  # the steps' ``lax.scan`` unroll where their bounds are static
 
 
-def candidate_state(
-    x: jax.Array,
-    logits: jax.Array,
-    x0: jax.Array,
-    y: jax.Array,
-    norm: str,
-    attack: int | jax.Array,
-    restart: int | jax.Array,
-    step: int | jax.Array,
-    goals: tuple[str, ...] | None = None,
-) -> BestState:
-    """Wraps one candidate batch as a :class:`BestState` so that it can be folded.
+class Problem(NamedTuple):
+    """One batch as the attacks aim at it and the judge calls the model, built once per
+    program (:func:`problem`)."""
 
-    ``goals``: score only what these goals compare (see :func:`jaxbundle.goals.score`).
-    """
-    batch = x.shape[0]
-    full = lambda v: jnp.full((batch,), v, dtype=jnp.int32)  # noqa: E731
-    return BestState(
-        x=x,
-        score=goals_lib.score(x, logits, x0, y, norm, goals),
-        attack=full(attack),
-        restart=full(restart),
-        step=full(step),
-    )
+    model: WhiteBoxModel  # the model as the judge calls it
+    x: jax.Array  # [B, ...] float32 clean images
+    y: jax.Array  # [B] int32 labels
+    eps: jax.Array  # [B] the radius the attacks aim at (on the grid: whole levels)
+    grid: jax.Array  # [B] bool: judged on the 8-bit grid
+    keys: jax.Array  # [B] the examples' keys (per_example_keys)
 
 
-def _fold_all(
-    goal_names: tuple[str, ...], eps: jax.Array, best: dict[str, BestState], cand: BestState
-) -> dict[str, BestState]:
-    """Folds one candidate into every goal's best state."""
-    return {g: fold(g, eps, best[g], cand) for g in goal_names}
+def problem(rules: Rules, params: Any, x: jax.Array, y: jax.Array, eps: jax.Array,
+            keys: jax.Array) -> Problem:
+    """The batch in float32, the radius the attacks aim at, the grid mask and the model as the
+    judge calls it (a stochastic model: its ``calls`` under each example's judge keys, the same
+    for every candidate)."""
+    x = x.astype(jnp.float32)
+    y = y.astype(jnp.int32)
+    eps = jnp.broadcast_to(jnp.asarray(eps, jnp.float32), y.shape)
+    grid = judged_on_grid(x, rules.judging)
+    # On the grid the ball holds whole levels only: attacks aim at the radius the judge allows
+    # (76/255 for Linf 0.3), so that rounding never has to cut a saturated perturbation back.
+    eps = jnp.where(grid, norms.grid_radius(eps, rules.norm), eps)
+    apply_fn = fast_gradients(rules.apply_fn)
+    if not sampling.is_stochastic(apply_fn):
+        model = WhiteBoxModel(apply_fn, params, grid)
+    else:
+        model = WhiteBoxModel(apply_fn, params, grid, sampling.judge_keys(keys),
+                              apply_fn.calls, fresh=False)
+    return Problem(model, x, y, eps, grid, keys)
 
 
-def _fold_each(
-    goal_names: tuple[str, ...],
-    eps: jax.Array,
-    best: dict[str, BestState],
-    cand: dict[str, BestState],
-) -> dict[str, BestState]:
-    """Folds each goal's candidate into that goal's best state."""
-    return {g: fold(g, eps, best[g], cand[g]) for g in goal_names}
+def clean_state(rules: Rules, p: Problem) -> BestState:
+    """The clean images' candidate as the judge scores it (attack -1)."""
+    s, _ = judged_score(p.model, p.x, p.x, p.y, rules.norm)
+    full = jnp.full(p.y.shape, 0, jnp.int32)
+    return BestState(x=p.x, score=s, attack=full - 1, restart=full, step=full)
 
 
-def _fold_leading_axis(
-    goal_names: tuple[str, ...], eps: jax.Array, stacked: dict[str, BestState]
-) -> dict[str, BestState]:
-    """Folds best states stacked on a leading axis (restarts) into one, in order."""
-    first = jax.tree.map(lambda a: a[0], stacked)
-    rest = jax.tree.map(lambda a: a[1:], stacked)
-
-    def body(best, cand_by_goal):
-        return _fold_each(goal_names, eps, best, cand_by_goal), None
-
-    best, _ = jax.lax.scan(body, first, rest)
-    return best
-
-
-def _restart_keys(keys: jax.Array, index: int, restart: int | jax.Array) -> jax.Array:
+def restart_keys(keys: jax.Array, index: int, restart: int | jax.Array) -> jax.Array:
     """``[B]`` keys of restart ``restart`` of attack ``index``: ``fold_in(fold_in(keys, index),
     restart)`` per example (``keys``: the examples' keys)."""
     return sampling.fold_each(sampling.fold_each(keys, index), restart)
 
 
-def _seen(attack: Attack, model: WhiteBoxModel, restart_keys: jax.Array, call: int | jax.Array):
+def seen(attack: Attack, model: WhiteBoxModel, restart_keys_: jax.Array,
+         call: int | jax.Array):
     """What the attack may see of the model (:func:`threat_model`), for a stochastic model with
     the keys of model call ``call`` of this restart (see :mod:`jaxbundle.sampling`) and the
     attack's EOT samples."""
     keys = None
     if model.stochastic:
-        keys = sampling.fold_each(sampling.fold_each(restart_keys, sampling.MODEL_STREAM), call)
+        keys = sampling.fold_each(sampling.fold_each(restart_keys_, sampling.MODEL_STREAM), call)
     return threat_model(attack.kind, model.apply_fn, model.params, model.grid, keys, attack.eot)
 
 
@@ -170,64 +167,150 @@ class Running(NamedTuple):
     first: int | jax.Array = 0  # its first restart's number (restart_mode="cascade": schedule)
 
 
-def _start_attack(
-    attack: Attack, index: int, model: WhiteBoxModel, keys: jax.Array, x0: jax.Array,
-    y: jax.Array, eps: jax.Array, clean: BestState, goal_names: tuple[str, ...],
-    restart_mode: str, first: int | jax.Array = 0,
-) -> Running:
-    """Every restart's initial state (numbered from ``first``), the clean image every goal's
-    best (a stochastic model's as a 0-or-1 success rate, as the attack's candidates are)."""
+class Judged(NamedTuple):
+    """An attack's verified result on one batch (:meth:`Driver.judge`)."""
 
-    def one_restart(restart):
-        restart_keys = _restart_keys(keys, index, restart)
-        seen = _seen(attack, model, restart_keys, sampling.INIT_CALL)
-        return attack.init(attack.config, restart_keys, x0, y, eps, seen, restart)
-
-    state = _over_restarts(attack, restart_mode, one_restart, first=first)
-    start = clean._replace(score=clean.score._replace(
-        rate=clean.score.misclassified.astype(jnp.float32)))
-    best = jax.tree.map(lambda a: jnp.broadcast_to(a, (attack.num_restarts, *a.shape)), start)
-    return Running(state, {g: best for g in goal_names}, clean, keys, best.score.margin, first)
+    best: dict[str, BestState]  # goal name -> its verified best, offered to every goal
+    success: jax.Array  # [B] bool: verified misclassification
+    distortion: jax.Array  # [B] its smallest verified adversarial distortion (inf: none)
+    step: jax.Array  # [B] int32: the step of its best misclassify candidate (-1: none)
+    improving: jax.Array  # [B] bool: failed while still improving (still_improving)
 
 
-def _attack_steps(
-    attack: Attack, index: int, model: WhiteBoxModel, x0: jax.Array, y: jax.Array,
-    eps: jax.Array, norm: str, goal_names: tuple[str, ...], running: Running,
-    t0: int | jax.Array, t1: int | jax.Array, unroll: int | bool, restart_mode: str,
-) -> Running:
-    """Steps ``t0 .. t1 - 1`` of every restart, each candidate folded into its restart's best
-    per goal. Static bounds run a ``lax.scan`` (unrolled by ``unroll``); traced ones a
-    ``lax.fori_loop``, so that one program serves every segment of a cascade's stage."""
+class Driver(NamedTuple):
+    """One attack of a run (static, hashable): the attack, its position in the bundle (its
+    keys' fold and its candidates' ``attack`` field) and the run's rules. :meth:`init`,
+    :meth:`steps` and :meth:`judge` are what the full bundle runs per attack, and a cascade's
+    stage too, with segments of steps between them."""
 
-    check_from = window_start(attack)
+    attack: Attack
+    index: int
+    rules: Rules
 
-    def one_restart(restart, state, best, early):
-        restart_keys = _restart_keys(running.keys, index, restart)
+    def init(self, p: Problem, clean: BestState, first: int | jax.Array = 0) -> Running:
+        """Every restart's initial state (numbered from ``first``), the clean image every
+        goal's best (a stochastic model's as a 0-or-1 success rate, as the attack's candidates
+        are)."""
+        attack = self.attack
 
-        def body(t, carry):
-            state, best, early = carry
-            state, cand = attack.step(attack.config, state, _seen(attack, model, restart_keys, t))
-            # Label-only attacks return no logits: the evaluator computes them, uncounted.
-            logits = cand.logits
-            if logits is None:
-                logits = _evaluator(model, restart_keys, t).logits(cand.x)
-            c = candidate_state(cand.x, logits, x0, y, norm, index, restart, t, goal_names)
-            best = _fold_all(goal_names, eps, best, c)
-            # the best margin of the steps before the window, frozen once the window starts
-            early = jnp.where(t < check_from, best["misclassify"].score.margin, early)
-            return state, best, early
+        def one_restart(restart):
+            keys = restart_keys(p.keys, self.index, restart)
+            model = seen(attack, p.model, keys, sampling.INIT_CALL)
+            return attack.init(attack.config, keys, p.x, p.y, p.eps, model, restart)
 
-        if isinstance(t0, int) and isinstance(t1, int):
-            carry, _ = jax.lax.scan(
-                lambda carry, t: (body(t, carry), None), (state, best, early),
-                jnp.arange(t0, t1, dtype=jnp.int32), unroll=unroll,
-            )
-            return carry
-        return jax.lax.fori_loop(t0, t1, body, (state, best, early))
+        state = _over_restarts(attack, self.rules.restart_mode, one_restart, first=first)
+        start = clean._replace(score=clean.score._replace(
+            rate=clean.score.misclassified.astype(jnp.float32)))
+        best = jax.tree.map(lambda a: jnp.broadcast_to(a, (attack.num_restarts, *a.shape)),
+                            start)
+        return Running(state, {g: best for g in self.rules.goal_names}, clean, p.keys,
+                       best.score.margin, first)
 
-    state, best, early = _over_restarts(attack, restart_mode, one_restart, running.state,
-                                        running.best, running.early, first=running.first)
-    return running._replace(state=state, best=best, early=early)
+    def steps(self, p: Problem, running: Running, t0: int | jax.Array,
+              t1: int | jax.Array) -> Running:
+        """Steps ``t0 .. t1 - 1`` of every restart, each candidate folded into its restart's
+        best per goal. Static bounds run a ``lax.scan`` (unrolled by the rules' ``unroll``);
+        traced ones a ``lax.fori_loop``, so that one program serves every segment of a
+        cascade's stage."""
+        attack, goal_names, norm = self.attack, self.rules.goal_names, self.rules.norm
+        check_from = window_start(attack)
+
+        def one_restart(restart, state, best, early):
+            keys = restart_keys(running.keys, self.index, restart)
+
+            def body(t, carry):
+                state, best, early = carry
+                state, cand = attack.step(attack.config, state, seen(attack, p.model, keys, t))
+                # Label-only attacks return no logits: the evaluator computes them, uncounted.
+                logits = cand.logits
+                if logits is None:
+                    logits = _evaluator(p.model, keys, t).logits(cand.x)
+                c = candidate_state(cand.x, logits, p.x, p.y, norm, self.index, restart, t,
+                                    goal_names)
+                best = fold_all(goal_names, p.eps, best, c)
+                # the best margin of the steps before the window, frozen once it starts
+                early = jnp.where(t < check_from, best["misclassify"].score.margin, early)
+                return state, best, early
+
+            if isinstance(t0, int) and isinstance(t1, int):
+                carry, _ = jax.lax.scan(
+                    lambda carry, t: (body(t, carry), None), (state, best, early),
+                    jnp.arange(t0, t1, dtype=jnp.int32), unroll=self.rules.unroll,
+                )
+                return carry
+            return jax.lax.fori_loop(t0, t1, body, (state, best, early))
+
+        state, best, early = _over_restarts(attack, self.rules.restart_mode, one_restart,
+                                            running.state, running.best, running.early,
+                                            first=running.first)
+        return running._replace(state=state, best=best, early=early)
+
+    def judge(self, p: Problem, running: Running, t: int | jax.Array,
+              last: bool | jax.Array = True) -> Judged:
+        """The attack's bests after ``t`` steps, verified (:func:`jaxbundle.judge.verify`) and
+        offered to every goal; after the ``last`` step (a traced bool: one program judges
+        every segment) each restart's current iterate is evaluated and folded in first, and
+        the still-improving indicator applies."""
+        if isinstance(last, bool):
+            found = self._best(p, running, t, iterate=last)
+        else:
+            found = jax.lax.cond(last, lambda: self._best(p, running, t, iterate=True),
+                                 lambda: self._best(p, running, t, iterate=False))
+        return self._verified(p, found, running.clean,
+                              last & still_improving(self.attack, running))
+
+    def _best(self, p: Problem, running: Running, t: int | jax.Array,
+              iterate: bool) -> dict[str, BestState]:
+        """The restarts' bests folded into one per goal, in order (unverified). With
+        ``iterate``, each restart's current iterate is evaluated once more and folded in first,
+        as step ``t`` (after the last step; mid-run the next step evaluates it anyway).
+        Against a stochastic model the restarts stay stacked ``[R, B, ...]``: each is judged
+        before they are folded (:meth:`_verified`), so that the best on average wins, not the
+        luckiest draw."""
+        goal_names, index = self.rules.goal_names, self.index
+
+        def one_restart(restart, state, best):
+            logits = _evaluator(p.model, restart_keys(running.keys, index, restart),
+                                t).logits(state.x)
+            final = candidate_state(state.x, logits, p.x, p.y, self.rules.norm, index,
+                                    restart, t, goal_names)
+            return fold_all(goal_names, p.eps, best, final)
+
+        stacked = running.best
+        if iterate:
+            stacked = _over_restarts(self.attack, self.rules.restart_mode, one_restart,
+                                     running.state, stacked, first=running.first)
+        if p.model.stochastic:
+            return stacked
+        if self.attack.num_restarts == 1:
+            return jax.tree.map(lambda a: a[0], stacked)
+        return fold_stacked(goal_names, p.eps, stacked)
+
+    def _verified(self, p: Problem, found: dict[str, BestState], clean: BestState,
+                  improving: jax.Array) -> Judged:
+        """``found`` verified and offered to every goal, with the attack's verified success
+        (misclassify), smallest verified distortion, the step of its best misclassify
+        candidate (-1: the clean image's stayed best) and whether it failed while still
+        ``improving`` per example."""
+        goal_names, norm = self.rules.goal_names, self.rules.norm
+        # A black-box attack's image is judged as it queried it: no uncounted stretching.
+        stretch = (1.0,) if self.attack.black_box else STRETCH
+
+        def judge(found):
+            verified = {g: verify(found[g], g, p.model, p.x, p.y, p.eps, norm, p.grid, clean,
+                                  stretch)
+                        for g in goal_names}
+            return cross_fold(goal_names, p.eps, verified)
+
+        if p.model.stochastic:  # restart-stacked (see _best): judged, then folded
+            found = fold_stacked(goal_names, p.eps, jax.vmap(judge)(found))
+        else:
+            found = judge(found)
+        mis = found["misclassify"]
+        success = goals_lib.success("misclassify", mis.score, p.eps)
+        step = jnp.where(mis.attack >= 0, mis.step, -1)
+        return Judged(found, success, _smallest_distortion(found, p.eps), step,
+                      improving & ~success)
 
 
 WINDOW = 0.1  # the last fraction of an attack's steps the still-improving indicator looks at
@@ -256,143 +339,47 @@ def still_improving(attack: Attack, running: Running) -> jax.Array:
     return (final > clean) & (final - early > PROGRESS * (final - clean))
 
 
-def _attack_best(
-    attack: Attack, index: int, model: WhiteBoxModel, x0: jax.Array, y: jax.Array,
-    eps: jax.Array, norm: str, goal_names: tuple[str, ...], running: Running,
-    t: int | jax.Array, restart_mode: str, iterate: bool = True,
-) -> dict[str, BestState]:
-    """The restarts' bests folded into one per goal, in order (unverified). With ``iterate``,
-    each restart's current iterate is evaluated once more and folded in first, as step ``t``
-    (after the last step; mid-run the next step evaluates it anyway). Against a stochastic
-    model the restarts stay stacked ``[R, B, ...]``: each is judged before they are folded
-    (:func:`_judged`), so that the best on average wins, not the luckiest draw."""
-
-    def one_restart(restart, state, best):
-        logits = _evaluator(model, _restart_keys(running.keys, index, restart), t).logits(state.x)
-        final = candidate_state(state.x, logits, x0, y, norm, index, restart, t, goal_names)
-        return _fold_all(goal_names, eps, best, final)
-
-    stacked = running.best
-    if iterate:
-        stacked = _over_restarts(attack, restart_mode, one_restart, running.state, stacked,
-                                 first=running.first)
-    if model.stochastic:
-        return stacked
-    if attack.num_restarts == 1:
-        return jax.tree.map(lambda a: a[0], stacked)
-    return _fold_leading_axis(goal_names, eps, stacked)
-
-
-def _evaluator(model: WhiteBoxModel, restart_keys: jax.Array, t: int | jax.Array
+def _evaluator(model: WhiteBoxModel, restart_keys_: jax.Array, t: int | jax.Array
                ) -> WhiteBoxModel:
     """The uncounted evaluator of a restart's candidates at step ``t`` (labels-only attacks'
     candidates, the final iterate): the model itself, or for a stochastic one a single call
     under keys no attack call uses."""
     if not model.stochastic:
         return model
-    keys = sampling.fold_each(sampling.fold_each(restart_keys, sampling.EVAL_STREAM), t)
+    keys = sampling.fold_each(sampling.fold_each(restart_keys_, sampling.EVAL_STREAM), t)
     return WhiteBoxModel(model.apply_fn, model.params, model.grid, keys, 1)
 
 
-def _judged(
-    attack: Attack, found: dict[str, BestState], model: WhiteBoxModel, x: jax.Array,
-    y: jax.Array, eps: jax.Array, norm: str, grid: jax.Array, clean: BestState,
-    goal_names: tuple[str, ...], improving: jax.Array,
-) -> tuple[dict[str, BestState], jax.Array, jax.Array, jax.Array, jax.Array]:
-    """An attack's bests verified (:func:`jaxbundle.judge.verify`) and offered to every goal,
-    with its verified success (misclassify), smallest verified distortion, the step of its
-    best misclassify candidate (-1: the clean image's stayed best) and whether it failed while
-    still ``improving`` (:func:`still_improving`) per example."""
-    # A black-box attack's image is judged as it queried it: no uncounted stretching.
-    stretch = (1.0,) if attack.black_box else STRETCH
-
-    def judge(found):
-        verified = {
-            g: verify(found[g], g, model, x, y, eps, norm, grid, clean, stretch)
-            for g in goal_names
-        }
-        return _cross_fold(goal_names, eps, verified)
-
-    if model.stochastic:  # restart-stacked (see _attack_best): judged, then folded
-        found = _fold_leading_axis(goal_names, eps, jax.vmap(judge)(found))
-    else:
-        found = judge(found)
-    mis = found["misclassify"]
-    success = goals_lib.success("misclassify", mis.score, eps)
-    step = jnp.where(mis.attack >= 0, mis.step, -1)
-    return found, success, _smallest_distortion(found, eps), step, improving & ~success
-
-
-def _setup(params, x, y, eps, apply_fn, norm, judging, keys):
-    """The batch in float32, the radius the attacks aim at, the grid mask and the model as the
-    judge calls it (a stochastic model: its ``calls`` under each example's judge keys, the same
-    for every candidate; ``keys``: the examples' keys)."""
-    x = x.astype(jnp.float32)
-    y = y.astype(jnp.int32)
-    eps = jnp.broadcast_to(jnp.asarray(eps, jnp.float32), y.shape)
-    grid = judged_on_grid(x, judging)
-    # On the grid the ball holds whole levels only: attacks aim at the radius the judge allows
-    # (76/255 for Linf 0.3), so that rounding never has to cut a saturated perturbation back.
-    eps = jnp.where(grid, norms.grid_radius(eps, norm), eps)
-    apply_fn = fast_gradients(apply_fn)
-    if not sampling.is_stochastic(apply_fn):
-        return x, y, eps, grid, WhiteBoxModel(apply_fn, params, grid)
-    model = WhiteBoxModel(apply_fn, params, grid, sampling.judge_keys(keys),
-                          apply_fn.calls, fresh=False)
-    return x, y, eps, grid, model
-
-
-def clean_state(model: WhiteBoxModel, x: jax.Array, y: jax.Array, norm: str) -> BestState:
-    """The clean images' candidate as the judge scores it (attack -1)."""
-    s, _ = judged_score(model, x, x, y, norm)
-    full = jnp.full(y.shape, 0, jnp.int32)
-    return BestState(x=x, score=s, attack=full - 1, restart=full, step=full)
-
-
-@functools.partial(jax.jit, static_argnames=("apply_fn", "attacks", "goal_names", "norm",
-                                             "judging", "unroll", "restart_mode", "indices"))
-def _bundle(
-    params: Any, x: jax.Array, y: jax.Array, key: jax.Array, example_id: jax.Array,
-    eps: jax.Array, *, apply_fn: Callable[[Any, jax.Array], jax.Array],
-    attacks: tuple[Attack, ...], goal_names: tuple[str, ...], norm: str, judging: str,
-    unroll: int | bool, restart_mode: str, indices: tuple[int, ...] | None = None,
-) -> BundleResult:
-    """The jitted bundle. ``indices`` are the attacks' positions in the whole bundle (their key
-    folds and the ``attack`` field of their candidates); default ``0, 1, ...``: a cascade runs
-    attack ``k`` alone under index ``k`` (see :mod:`jaxbundle.schedule`)."""
+@functools.partial(jax.jit, static_argnames=("rules", "attacks", "indices"))
+def run(params: Any, x: jax.Array, y: jax.Array, key: jax.Array, example_id: jax.Array,
+        eps: jax.Array, *, rules: Rules, attacks: tuple[Attack, ...],
+        indices: tuple[int, ...] | None = None) -> BundleResult:
+    """The jitted bundle (:func:`bundle` checks its inputs and calls it). ``indices`` are the
+    attacks' positions in the whole bundle (their key folds and the ``attack`` field of their
+    candidates); default ``0, 1, ...``: a cascade runs attack ``k`` alone under index ``k``
+    (see :mod:`jaxbundle.schedule`)."""
     keys = per_example_keys(key, example_id)
-    x, y, eps, grid, model = _setup(params, x, y, eps, apply_fn, norm, judging, keys)
-    clean = clean_state(model, x, y, norm)
-    best = {g: clean for g in goal_names}
-    successes, distortions, steps, improving = [], [], [], []
+    p = problem(rules, params, x, y, eps, keys)
+    clean = clean_state(rules, p)
+    best = {g: clean for g in rules.goal_names}
+    judged = []
     for index, attack in zip(indices or range(len(attacks)), attacks):
-        # every attack starts alone from the clean image
-        running = _start_attack(attack, index, model, keys, x, y, eps, clean, goal_names,
-                                restart_mode)
-        running = _attack_steps(attack, index, model, x, y, eps, norm, goal_names, running,
-                                0, attack.num_steps, unroll, restart_mode)
-        found = _attack_best(attack, index, model, x, y, eps, norm, goal_names, running,
-                             attack.num_steps, restart_mode)
-        found, success, distortion, step, rising = _judged(
-            attack, found, model, x, y, eps, norm, grid, clean, goal_names,
-            still_improving(attack, running))
-        successes.append(success)
-        distortions.append(distortion)
-        steps.append(step)
-        improving.append(rising)
-        best = _fold_each(goal_names, eps, best, found)
+        driver = Driver(attack, index, rules)  # every attack starts alone from the clean image
+        running = driver.steps(p, driver.init(p, clean), 0, attack.num_steps)
+        judged.append(driver.judge(p, running, attack.num_steps))
+        best = fold_each(rules.goal_names, p.eps, best, judged[-1].best)
 
-    gradients = sum(a.gradients for a in attacks)
+    stack = lambda field: jnp.stack([getattr(j, field) for j in judged])  # noqa: E731
     return BundleResult(
         best=best,
         clean=clean.score,
-        attack_success=jnp.stack(successes),
-        attack_distortion=jnp.stack(distortions),
-        attack_step=jnp.stack(steps).astype(jnp.int32),
-        attack_improving=jnp.stack(improving),
-        gradients=jnp.full(y.shape, gradients, dtype=jnp.int32),
-        queries=jnp.full(y.shape, sum(a.queries for a in attacks), dtype=jnp.int32),
-        judged_on_grid=grid,
+        attack_success=stack("success"),
+        attack_distortion=stack("distortion"),
+        attack_step=stack("step").astype(jnp.int32),
+        attack_improving=stack("improving"),
+        gradients=jnp.full(p.y.shape, sum(a.gradients for a in attacks), dtype=jnp.int32),
+        queries=jnp.full(p.y.shape, sum(a.queries for a in attacks), dtype=jnp.int32),
+        judged_on_grid=p.grid,
     )
 
 
@@ -421,44 +408,28 @@ def glue_jit(fun=None, **jit_kwargs):
     return call
 
 
-_STAGE_STATIC = ("apply_fn", "attack", "index", "goal_names", "norm", "judging", "restart_mode")
-
-
-@glue_jit(static_argnames=_STAGE_STATIC)
-def start_stage(params, x, y, key, example_id, eps, first=0, *, apply_fn, attack, index,
-                goal_names, norm, judging, restart_mode) -> Running:
-    """A cascade's stage run in segments: attack ``index`` initialised on a bucket of rows,
+@glue_jit(static_argnames=("driver",))
+def start_stage(params, x, y, key, example_id, eps, first=0, *, driver: Driver) -> Running:
+    """A cascade's stage run in segments: the driver's attack initialised on a bucket of rows,
     with the same keys as in the full bundle (see :mod:`jaxbundle.schedule`), its restarts
     numbered from ``first`` (traced: one program for every part of a cascade of restarts)."""
-    keys = per_example_keys(key, example_id)
-    x, y, eps, _, model = _setup(params, x, y, eps, apply_fn, norm, judging, keys)
-    return _start_attack(attack, index, model, keys, x, y, eps, clean_state(model, x, y, norm),
-                         goal_names, restart_mode, jnp.asarray(first, jnp.int32))
+    p = problem(driver.rules, params, x, y, eps, per_example_keys(key, example_id))
+    return driver.init(p, clean_state(driver.rules, p), jnp.asarray(first, jnp.int32))
 
 
-@functools.partial(jax.jit, static_argnames=_STAGE_STATIC)
-def step_stage(params, running, x, y, eps, t0, t1, *, apply_fn, attack, index, goal_names, norm,
-               judging, restart_mode) -> Running:
+@functools.partial(jax.jit, static_argnames=("driver",))
+def step_stage(params, running, x, y, eps, t0, t1, *, driver: Driver) -> Running:
     """Steps ``t0 .. t1 - 1`` (traced: one program per bucket size) of a stage's rows."""
-    x, y, eps, _, model = _setup(params, x, y, eps, apply_fn, norm, judging, running.keys)
-    return _attack_steps(attack, index, model, x, y, eps, norm, goal_names, running, t0, t1, 1,
-                         restart_mode)
+    p = problem(driver.rules, params, x, y, eps, running.keys)
+    return driver.steps(p, running, t0, t1)
 
 
-@glue_jit(static_argnames=_STAGE_STATIC)
-def judge_stage(params, running, x, y, eps, t, last, *, apply_fn, attack, index, goal_names,
-                norm, judging, restart_mode) -> tuple:
-    """A stage's verified bests after ``t`` steps, as :func:`_bundle` judges an attack's:
-    ``(best per goal, success [B], smallest distortion [B], best step [B], still improving
-    [B])``; the current iterate is evaluated only after the ``last`` step (a traced bool, so
-    one program judges every segment)."""
-    x, y, eps, grid, model = _setup(params, x, y, eps, apply_fn, norm, judging, running.keys)
-    best = functools.partial(_attack_best, attack, index, model, x, y, eps, norm, goal_names,
-                             running, t, restart_mode)
-    found = jax.lax.cond(last, lambda: best(iterate=True), lambda: best(iterate=False))
-    improving = last & still_improving(attack, running)
-    return _judged(attack, found, model, x, y, eps, norm, grid, running.clean, goal_names,
-                   improving)
+@glue_jit(static_argnames=("driver",))
+def judge_stage(params, running, x, y, eps, t, last, *, driver: Driver) -> Judged:
+    """A stage's verified bests after ``t`` steps, as :func:`run` judges an attack's
+    (:meth:`Driver.judge`; ``last``: a traced bool, so one program judges every segment)."""
+    p = problem(driver.rules, params, x, y, eps, running.keys)
+    return driver.judge(p, running, t, last)
 
 
 @glue_jit
@@ -472,25 +443,23 @@ def take_rows(running: Running, positions: jax.Array) -> Running:
 
 
 def held_out(result: BundleResult, params: Any, x: jax.Array, y: jax.Array, key: jax.Array,
-             example_id: jax.Array, eps: jax.Array, *, apply_fn: Callable, norm: str,
-             judging: str) -> BundleResult:
+             example_id: jax.Array, eps: jax.Array, *, rules: Rules) -> BundleResult:
     """A stochastic model's ``result`` with every goal's winner and the clean image re-judged
     on held-out calls (:func:`jaxbundle.judge.held_out`: the success, rate and robust accuracy
     reported) and ``selection_rate`` the misclassify winner's rate on the calls that chose it
     (the winners and ``attack_success`` unchanged); a deterministic model's as it is. ``x, y,
     key, example_id, eps``: as given to the bundle or cascade that produced ``result``."""
-    if not sampling.is_stochastic(apply_fn):
+    if not sampling.is_stochastic(rules.apply_fn):
         return result
-    return _held_out(result, params, x, y, key, example_id, eps, apply_fn=apply_fn, norm=norm,
-                     judging=judging)
+    return _held_out(result, params, x, y, key, example_id, eps, rules=rules)
 
 
-@glue_jit(static_argnames=("apply_fn", "norm", "judging"))
-def _held_out(result, params, x, y, key, example_id, eps, *, apply_fn, norm, judging):
+@glue_jit(static_argnames=("rules",))
+def _held_out(result, params, x, y, key, example_id, eps, *, rules):
     keys = per_example_keys(key, example_id)
-    x, y, eps, _, model = _setup(params, x, y, eps, apply_fn, norm, judging, keys)
-    best, clean = judge_held_out(result.best, model.replace(keys=sampling.heldout_keys(keys)),
-                                 x, y, eps, norm)
+    p = problem(rules, params, x, y, eps, keys)
+    best, clean = judge_held_out(result.best, p.model.replace(keys=sampling.heldout_keys(keys)),
+                                 p.x, p.y, p.eps, rules.norm)
     return result._replace(best=best, clean=clean,
                            selection_rate=result.best["misclassify"].score.rate)
 
@@ -506,26 +475,7 @@ def _smallest_distortion(found: dict[str, BestState], eps: jax.Array) -> jax.Arr
     return jnp.where(goals_lib.success(goal, s, eps), s.distortion, jnp.inf)
 
 
-def _cross_fold(
-    goal_names: tuple[str, ...], eps: jax.Array, verified: dict[str, BestState]
-) -> dict[str, BestState]:
-    """Offers every goal's verified image to every other goal.
-
-    A verified image is a legitimate candidate for any goal. This matters after quantisation:
-    the min-norm candidate sits on the decision boundary and rounding may undo it, while the
-    misclassify goal's image, deeper inside the wrong class, survives.
-    """
-    out = {}
-    for g in goal_names:
-        best = verified[g]
-        for h in goal_names:
-            if h != g:
-                best = fold(g, eps, best, verified[h])
-        out[g] = best
-    return out
-
-
-def bundle(
+def bundle(  # noqa: PLR0913 (the public call: its keyword options are bundle()'s documented API)
     attacks: Sequence[Attack],
     apply_fn: Callable[[Any, jax.Array], jax.Array],
     params: Any,
@@ -583,8 +533,6 @@ def bundle(
         check_inputs(apply_fn, params, x, y, eps, judging=judging)
     if example_id is None:
         example_id = jnp.arange(x.shape[0], dtype=jnp.int32)
-    result = _bundle(params, x, y, key, example_id, eps, apply_fn=apply_fn, attacks=attacks,
-                     goal_names=goal_names, norm=norm, judging=judging, unroll=unroll,
-                     restart_mode=restart_mode)
-    return held_out(result, params, x, y, key, example_id, eps, apply_fn=apply_fn, norm=norm,
-                    judging=judging)
+    rules = Rules(apply_fn, goal_names, norm, judging, restart_mode, unroll)
+    result = run(params, x, y, key, example_id, eps, rules=rules, attacks=attacks)
+    return held_out(result, params, x, y, key, example_id, eps, rules=rules)

@@ -432,13 +432,12 @@ def _evaluate(args: argparse.Namespace, console: Console) -> None:
         return
     cache = args.cache_dir or str(models.default_cache_dir())
     with job.compilation_cache(None if args.no_compile_cache else os.path.join(cache, "xla")):
-        path, _ = job.run_job(
-            refs, source, plan, out=args.out, shifts=not args.no_shifts,
-            checkpoint_dir=args.checkpoint_dir, save_images=args.save_images,
-            best_effort=args.best_effort, surrogates=surrogates, bpda=args.bpda,
-            auto_batch=args.batch_size == "auto", threat_model=preset,
-            console=console, show_progress=not args.no_progress,
-        )
+        options = job.JobOptions(
+            out=args.out, shifts=not args.no_shifts, checkpoint_dir=args.checkpoint_dir,
+            save_images=args.save_images, best_effort=args.best_effort, surrogates=surrogates,
+            bpda=args.bpda, auto_batch=args.batch_size == "auto")
+        path, _ = job.run_job(refs, source, plan, options, threat_model=preset,
+                              console=console, show_progress=not args.no_progress)
     if path is not None:
         console.print(f"report written to {path} (and report.md, figures)")
 

@@ -6,7 +6,10 @@ best one so far, and its other fields say whether it is bound by eps, what it ne
 when the attacker may stop and what per-example arrays the report keeps. The bundler, judge,
 schedule and evaluator read only these fields, never a goal's name. Goals hold no state; one
 bundle run can track several goals, each with its own best candidate, from the same stream of
-candidates. A new goal is one more record in :data:`GOALS`.
+candidates. A new goal is one more record in :data:`GOALS`. A candidate batch is wrapped as a
+:class:`BestState` (:func:`candidate_state`) and folded into a goal's best (:func:`fold`, and
+for several goals, restarts or verified images :func:`fold_all`, :func:`fold_each`,
+:func:`fold_stacked`, :func:`cross_fold`).
 
 Goals (``eps`` is the threat model's radius, per example):
 
@@ -46,6 +49,12 @@ __all__ = [
     "GOALS",
     "success",
     "check_goals",
+    "candidate_state",
+    "cross_fold",
+    "fold",
+    "fold_all",
+    "fold_each",
+    "fold_stacked",
 ]
 
 class Score(NamedTuple):
@@ -213,3 +222,84 @@ class BestState(NamedTuple):
     attack: jax.Array  # int32 [B]: index of the attack that found it; -1 = the clean image
     restart: jax.Array  # int32 [B]: restart index within that attack
     step: jax.Array  # int32 [B]: iterate index within that restart (0 = start)
+
+
+def fold(goal: str, eps: jax.Array, best: BestState, cand: BestState) -> BestState:
+    """Keeps, per example, ``cand`` where ``goal`` prefers it to ``best``."""
+    return norms.tree_where(GOALS[goal].take(best.score, cand.score, eps), cand, best)
+
+
+def candidate_state(
+    x: jax.Array,
+    logits: jax.Array,
+    x0: jax.Array,
+    y: jax.Array,
+    norm: str,
+    attack: int | jax.Array,
+    restart: int | jax.Array,
+    step: int | jax.Array,
+    goals: tuple[str, ...] | None = None,
+) -> BestState:
+    """Wraps one candidate batch as a :class:`BestState` so that it can be folded.
+
+    ``goals``: score only what these goals compare (see :func:`jaxbundle.goals.score`).
+    """
+    batch = x.shape[0]
+    full = lambda v: jnp.full((batch,), v, dtype=jnp.int32)  # noqa: E731
+    return BestState(
+        x=x,
+        score=score(x, logits, x0, y, norm, goals),
+        attack=full(attack),
+        restart=full(restart),
+        step=full(step),
+    )
+
+
+def fold_all(
+    goal_names: tuple[str, ...], eps: jax.Array, best: dict[str, BestState], cand: BestState
+) -> dict[str, BestState]:
+    """Folds one candidate into every goal's best state."""
+    return {g: fold(g, eps, best[g], cand) for g in goal_names}
+
+
+def fold_each(
+    goal_names: tuple[str, ...],
+    eps: jax.Array,
+    best: dict[str, BestState],
+    cand: dict[str, BestState],
+) -> dict[str, BestState]:
+    """Folds each goal's candidate into that goal's best state."""
+    return {g: fold(g, eps, best[g], cand[g]) for g in goal_names}
+
+
+def fold_stacked(
+    goal_names: tuple[str, ...], eps: jax.Array, stacked: dict[str, BestState]
+) -> dict[str, BestState]:
+    """Folds best states stacked on a leading axis (restarts) into one, in order."""
+    first = jax.tree.map(lambda a: a[0], stacked)
+    rest = jax.tree.map(lambda a: a[1:], stacked)
+
+    def body(best, cand_by_goal):
+        return fold_each(goal_names, eps, best, cand_by_goal), None
+
+    best, _ = jax.lax.scan(body, first, rest)
+    return best
+
+
+def cross_fold(
+    goal_names: tuple[str, ...], eps: jax.Array, verified: dict[str, BestState]
+) -> dict[str, BestState]:
+    """Offers every goal's verified image to every other goal.
+
+    A verified image is a legitimate candidate for any goal. This matters after quantisation:
+    the min-norm candidate sits on the decision boundary and rounding may undo it, while the
+    misclassify goal's image, deeper inside the wrong class, survives.
+    """
+    out = {}
+    for g in goal_names:
+        best = verified[g]
+        for h in goal_names:
+            if h != g:
+                best = fold(g, eps, best, verified[h])
+        out[g] = best
+    return out

@@ -244,14 +244,14 @@ def run_job(
     models: Sequence[ModelRef],
     source: data_lib.Source,
     plan: Plan,
+    job: JobOptions,
     *,
-    out: str,
     threat_model: dict | None = None,
     console: Any = None,
     show_progress: bool = True,
-    **options: Any,
 ) -> tuple[str | None, dict[str, tuple[Evaluation, float]]]:
-    """Evaluates every model on ``source`` under ``plan`` and writes the report to ``out``.
+    """Evaluates every model on ``source`` under ``plan`` and writes the report to
+    ``job.out``.
 
     Args:
       models: the models (see :func:`demo_model` and :func:`user_model`).
@@ -259,25 +259,24 @@ def run_job(
       plan: the :class:`jaxbundle.Plan`; each model runs :func:`jaxbundle.evaluate` with it (a
         deterministic model without the plan's stochastic options, which are for the
         stochastic ones).
-      out: the report directory.
-      threat_model: the preset the threat model came from (:func:`jaxbundle.presets.resolve`),
-        for the report's ``config``.
-      console: a ``rich`` console to print progress and the tables on (process 0).
-      show_progress: progress bars on ``console``.
-      options: the fields of :class:`JobOptions` (``shifts``, ``checkpoint_dir``,
-        ``save_images``, ``best_effort``, ``surrogates``; ``bpda``: the models that declare a
-        preprocessing, :func:`jaxbundle.defended`, attacked with BPDA, the others as they are;
+      job: what the job does besides evaluating (:class:`JobOptions`: the report directory
+        ``out``, ``shifts``, ``checkpoint_dir``, ``save_images``, ``best_effort``,
+        ``surrogates``; ``bpda``: the models that declare a preprocessing,
+        :func:`jaxbundle.defended`, attacked with BPDA, the others as they are;
         ``auto_batch``: each model's batch size fitted to the memory, :func:`fitted_batch_size`).
         Data held in memory (``source.in_memory``: the embedded sample, arrays) also keeps the
         adversarial images in the report's per-example file.
 
+      threat_model: the preset the threat model came from (:func:`jaxbundle.presets.resolve`),
+        for the report's ``config``.
+      console: a ``rich`` console to print progress and the tables on (process 0).
+      show_progress: progress bars on ``console``.
     Returns:
       ``(path of report.json or None on processes other than 0, {model: (evaluation,
       seconds)})``.
     """
     from jaxbundle.report import print_tables, write_report
 
-    job = JobOptions(out=out, **options)
     plan.check()
     names = [m.name for m in models]
     if len(set(names)) != len(names) or not names:
@@ -309,7 +308,7 @@ def run_job(
         surrogates={m.name: m.origin for m in job.surrogates}, best_effort=job.best_effort,
         shifts=job.shifts, processes=jax.process_count(), devices=jax.device_count(),
     )
-    return write_report(out, record, results), results
+    return write_report(job.out, record, results), results
 
 
 def _progress(console: Any, show: bool):

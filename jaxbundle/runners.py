@@ -11,45 +11,24 @@ program. The evaluation driver (:mod:`jaxbundle.evaluation`) picks one by the pl
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple, Protocol
+from typing import Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxbundle import checks as checks_lib
 from jaxbundle import schedule as schedule_lib
-from jaxbundle.attacks.base import Attack
-from jaxbundle.bundler import bundle, glue_jit
+from jaxbundle.bundler import Rules, glue_jit, held_out, run
 from jaxbundle.canonical import fast_gradients
 from jaxbundle.metrics import Counts, Setting
 from jaxbundle.outputs import per_example_arrays
 from jaxbundle.plan import Plan
 from jaxbundle.sampling import is_stochastic
+from jaxbundle.schedule import Batch, Model
 
 __all__ = ["RUNNERS", "Batch", "Model", "Runner", "runner"]
-
-
-class Model(NamedTuple):
-    """What every batch of one evaluation shares: the model, the built attacks and the mesh."""
-
-    apply_fn: Callable
-    params: Any  # replicated over the mesh, if any
-    attacks: tuple[Attack, ...]
-    goal_names: tuple[str, ...]
-    key: jax.Array  # jax.random.key(plan.seed)
-    mesh: Mesh | None
-
-
-class Batch(NamedTuple):
-    """One batch (global arrays under a mesh) and its real rows (host bool ``[B]``)."""
-
-    x: jax.Array
-    y: jax.Array
-    example_id: jax.Array
-    mask: jax.Array
-    real: np.ndarray
 
 
 class Runner(Protocol):
@@ -68,12 +47,11 @@ class _Full:
     """Every attack on every example, the bundle and its summary in one program."""
 
     def run(self, plan: Plan, model: Model, batch: Batch):
+        rules = Rules(model.apply_fn, model.goal_names, plan.norm, plan.judging,
+                      plan.restart_mode, plan.unroll)
         counts, outputs = _evaluate_batch(
             model.params, batch.x, batch.y, model.key, batch.example_id, batch.mask,
-            jnp.float32(plan.eps), apply_fn=model.apply_fn, attacks=model.attacks,
-            goal_names=model.goal_names, norm=plan.norm, judging=plan.judging,
-            unroll=plan.unroll, restart_mode=plan.restart_mode, mesh=model.mesh,
-        )
+            jnp.float32(plan.eps), rules=rules, attacks=model.attacks, mesh=model.mesh)
         return counts, outputs, np.zeros((len(model.attacks), STAGE_COLUMNS), np.int64)
 
     def figures(self, plan: Plan, metrics: dict, per_example: dict, attacks, stages) -> dict:
@@ -86,11 +64,7 @@ class _Cascade:
 
     def run(self, plan: Plan, model: Model, batch: Batch):
         eps = jnp.float32(plan.eps)
-        result, stages = schedule_lib.cascade(
-            plan, model.attacks, model.apply_fn, model.params, batch.x, batch.y, model.key,
-            batch.example_id, eps, goal_names=model.goal_names, mask=batch.real,
-            mesh=model.mesh,
-        )
+        result, stages = schedule_lib.cascade(plan, model, batch, eps)
         counts, outputs = _summarise(result, model.params, batch.x, batch.y, batch.example_id,
                                      batch.mask, eps, attacks=model.attacks, mesh=model.mesh,
                                      apply_fn=model.apply_fn)
@@ -110,26 +84,18 @@ def runner(plan: Plan) -> Runner:
     return RUNNERS[plan.mode]
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "apply_fn", "attacks", "goal_names", "norm", "judging", "unroll", "restart_mode", "mesh"
-    ),
-)
-def _evaluate_batch(params, x, y, key, example_id, mask, eps, *, apply_fn, attacks, goal_names,
-                    norm, judging, unroll, restart_mode, mesh) -> tuple[Counts, dict]:
+@functools.partial(jax.jit, static_argnames=("rules", "attacks", "mesh"))
+def _evaluate_batch(params, x, y, key, example_id, mask, eps, *, rules, attacks,
+                    mesh) -> tuple[Counts, dict]:
     """One batch: the bundle, its counts and its per-example outputs, in one program.
 
     With a mesh, every output is replicated on every device (the gather happens inside the
     program), so each process reads the whole result locally: no eager operation on a global
     array, and nothing a single process would have to run alone.
     """
-    result = bundle(
-        attacks, apply_fn, params, x, y, key, eps=eps, norm=norm, goals=goal_names,
-        example_id=example_id, judging=judging, unroll=unroll, restart_mode=restart_mode,
-        validate=False,
-    )
-    return _summary(result, x, y, example_id, mask, eps, attacks, mesh, apply_fn, params)
+    result = held_out(run(params, x, y, key, example_id, eps, rules=rules, attacks=attacks),
+                      params, x, y, key, example_id, eps, rules=rules)
+    return _summary(result, x, y, example_id, mask, eps, attacks, mesh, rules.apply_fn, params)
 
 
 def _summary(result, x, y, example_id, mask, eps, attacks, mesh, apply_fn, params):

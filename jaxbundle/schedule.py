@@ -74,11 +74,12 @@ One host sync per stage (the survivors' count), and one per segment; none per st
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from jaxbundle import goals as goals_lib
 from jaxbundle.attacks.base import Attack, per_example_keys
@@ -87,8 +88,8 @@ from jaxbundle.bundler import BestState, BundleResult, fold, glue_jit
 from jaxbundle.plan import Plan
 
 __all__ = [
-    "PROBE_GAIN", "Stage", "bucket_sizes", "cascade", "escalates", "probe_steps", "promise",
-    "satisfied",
+    "PROBE_GAIN", "Batch", "Model", "Stage", "bucket_sizes", "cascade", "escalates",
+    "probe_steps", "promise", "satisfied",
 ]
 
 # A probe's share grows by this many times the fraction of the survivors the probe itself
@@ -96,6 +97,27 @@ __all__ = [
 # were misled on this model, and the whole stage goes on (chosen on the tuning set of
 # benchmarks/heldout/PROTOCOL.md).
 PROBE_GAIN = 20.0
+
+
+class Model(NamedTuple):
+    """What every batch of one evaluation shares: the model, the built attacks and the mesh."""
+
+    apply_fn: Callable
+    params: Any  # replicated over the mesh, if any
+    attacks: tuple[Attack, ...]
+    goal_names: tuple[str, ...]
+    key: jax.Array  # jax.random.key(plan.seed)
+    mesh: Mesh | None
+
+
+class Batch(NamedTuple):
+    """One batch (global arrays under a mesh) and its real rows (host bool ``[B]``)."""
+
+    x: jax.Array
+    y: jax.Array
+    example_id: jax.Array
+    mask: jax.Array | None  # [B] device bool, False on padding rows (the summary's)
+    real: np.ndarray
 
 
 class Stage(NamedTuple):
@@ -150,13 +172,12 @@ def satisfied(
     return done(best[goal].score, eps, threshold)
 
 
-@glue_jit(static_argnames=("apply_fn", "goal_names", "norm", "judging"))
-def _start(params, x, y, key, example_id, eps, *, apply_fn, goal_names, norm, judging):
+@glue_jit(static_argnames=("rules",))
+def _start(params, x, y, key, example_id, eps, *, rules: bundler.Rules):
     """The clean image as every goal's starting best, the eps attacks aim at, the grid flag."""
-    keys = per_example_keys(key, example_id)
-    x, y, eps, grid, model = bundler._setup(params, x, y, eps, apply_fn, norm, judging, keys)
-    clean = bundler.clean_state(model, x, y, norm)
-    return {g: clean for g in goal_names}, clean.score, eps, grid
+    p = bundler.problem(rules, params, x, y, eps, per_example_keys(key, example_id))
+    clean = bundler.clean_state(rules, p)
+    return {g: clean for g in rules.goal_names}, clean.score, p.eps, p.grid
 
 
 def promise(best: dict[str, BestState], goal: str = "misclassify") -> jax.Array:
@@ -216,10 +237,11 @@ def _put(a, rows, values):
 
 
 class _Batch(NamedTuple):
-    """What every stage of one cascade shares: the plan, the batch and how it is read."""
+    """What every stage of one cascade shares: the plan, the run's rules, the batch and how it
+    is read."""
 
     plan: Plan
-    apply_fn: Callable[[Any, jax.Array], jax.Array]
+    rules: bundler.Rules
     params: Any
     x: jax.Array
     y: jax.Array
@@ -227,7 +249,6 @@ class _Batch(NamedTuple):
     example_id: jax.Array
     eps: jax.Array  # [B] the threat model's radius
     eps_aimed: jax.Array  # [B] the radius the attacks aim at (on the grid: whole levels)
-    goal_names: tuple[str, ...]
     sizes: tuple[int, ...]  # bucket sizes
     halves: tuple[int, ...]  # the sizes focus keeps and a stage mid-run compacts to: one per
     #   halving, so that a sweep over eps, whose survivors differ, meets the same few shapes
@@ -262,6 +283,10 @@ class _AttackRows(NamedTuple):
                    jnp.full((attacks, batch), jnp.inf, jnp.float32),
                    jnp.full((attacks, batch), -2, jnp.int32), jnp.zeros((attacks, batch), bool))
 
+    def of(self, k: int) -> "_AttackRows":
+        """Attack ``k``'s rows alone (``[B]`` each)."""
+        return _AttackRows(*(field[k] for field in self))
+
     def set(self, k: int, out: "_Outcome", keep_success: bool = False) -> "_AttackRows":
         """Attack ``k``'s rows from ``out``; with ``keep_success`` (a later restart of a
         cascade of restarts), an example an earlier restart fooled keeps that restart's row."""
@@ -276,22 +301,22 @@ def _padded(order: np.ndarray, size: int) -> np.ndarray:
     return np.concatenate([order, np.full(size - order.size, order[-1])]).astype(np.int32)
 
 
-def _segmented_stage(b: _Batch, attack: Attack, k: int, order: np.ndarray, best, success,
-                     distortion, best_step, improving, segments: int,
+def _segmented_stage(b: _Batch, attack: Attack, k: int, order: np.ndarray, best,
+                     row: "_AttackRows", segments: int,
                      probe: tuple[int, float, np.ndarray] | None = None,
                      first: int = 0) -> _Outcome:
     """Attack ``k`` (its restarts numbered from ``first``) on the rows ``order`` in up to
-    ``segments`` runs of its steps. After each, the rows whose goal is satisfied stop; the
-    others are compacted into a bucket at most half the size of the current one once they fit
-    (fewer shapes to compile), else they go on in place. With ``probe = (steps, fraction,
-    closeness)``, the first run is ``steps`` long and only some rows go on after it
-    (:func:`_after_probe`)."""
-    static = dict(apply_fn=b.apply_fn, attack=attack, index=k, goal_names=b.goal_names,
-                  norm=b.plan.norm, judging=b.plan.judging, restart_mode=b.plan.restart_mode)
+    ``segments`` runs of its steps, from the batch's bests and the attack's ``row`` so far.
+    After each, the rows whose goal is satisfied stop; the others are compacted into a bucket
+    at most half the size of the current one once they fit (fewer shapes to compile), else
+    they go on in place. With ``probe = (steps, fraction, closeness)``, the first run is
+    ``steps`` long and only some rows go on after it (:func:`_after_probe`)."""
+    driver = bundler.Driver(attack, k, b.rules)
+    success, distortion, best_step, improving = row
     rows = _padded(order, _bucket(b.sizes, order.size))
     sub = _take((b.x, b.y, b.example_id, b.eps), rows)
     running = bundler.start_stage(b.params, sub[0], sub[1], b.key, sub[2], sub[3],
-                                  jnp.int32(first), **static)
+                                  jnp.int32(first), driver=driver)
     steps, row_steps, cut = np.zeros(b.y.shape[0], np.int64), 0, 0
     length = -(-attack.num_steps // segments)
     live = np.ones(rows.size, bool)  # rows of the bucket still running (padding: False)
@@ -302,21 +327,21 @@ def _segmented_stage(b: _Batch, attack: Attack, k: int, order: np.ndarray, best,
         t1 = min(t + (probe[0] if probing else length), attack.num_steps)
         x, y, _, eps = sub
         running = bundler.step_stage(b.params, running, x, y, eps, jnp.int32(t), jnp.int32(t1),
-                                     **static)
+                                     driver=driver)
         steps[rows[live]] = t1
         row_steps += rows.size * (t1 - t)
         t = t1
         last = t == attack.num_steps
         judged = bundler.judge_stage(b.params, running, x, y, eps, jnp.int32(t), jnp.bool_(last),
-                                     **static)
-        ranks = _progress(judged[0], running.clean.score, b.plan.goal) if probing else None
+                                     driver=driver)
+        ranks = _progress(judged.best, running.clean.score, b.plan.goal) if probing else None
         # A row that stopped earlier keeps its result: its repeats here merge the same values.
         keep = _padded(np.flatnonzero(live), rows.size) if not live.all() else None
         merged_rows = rows if keep is None else rows[keep]
         if keep is not None:
             judged = _take(judged, jnp.asarray(keep))
         found, found_success, found_distortion, found_step, found_improving = judged
-        best = _merge(best, b.eps_aimed, merged_rows, found, goal_names=b.goal_names)
+        best = _merge(best, b.eps_aimed, merged_rows, found, goal_names=b.rules.goal_names)
         success = _put(success, merged_rows, found_success)
         distortion = _put(distortion, merged_rows, found_distortion)
         best_step = _put(best_step, merged_rows, found_step)
@@ -446,8 +471,7 @@ def _stage(b: _Batch, k: int, whole: Attack, chosen: np.ndarray, survivors: int,
             break
         probe = ((probe_steps(attack, probes[attack.name]), focus[attack.name], closeness)
                  if attack.name in probes else None)
-        out = _run_stage(b, attack, k, order, best, *(r[k] for r in rows), probe=probe,
-                         first=first)
+        out = _run_stage(b, attack, k, order, best, rows.of(k), probe=probe, first=first)
         best, rows = out.best, rows.set(k, out, keep_success=first > 0)
         ran = np.zeros(batch, bool)
         ran[order] = True
@@ -460,11 +484,10 @@ def _stage(b: _Batch, k: int, whole: Attack, chosen: np.ndarray, survivors: int,
     return best, rows, stage, grads, asked
 
 
-def cascade(plan: Plan, attacks: Sequence[Attack], apply_fn: Callable, params: Any,
-            x: jax.Array, y: jax.Array, key: jax.Array, example_id: jax.Array, eps: jax.Array,
-            *, goal_names: tuple[str, ...], mask: np.ndarray | None = None,
-            mesh: Any = None) -> tuple[BundleResult, list[Stage]]:
-    """Runs ``attacks`` on one batch as a cascade under ``plan`` (see the module docstring).
+def cascade(plan: Plan, model: Model, batch: Batch,
+            eps: jax.Array) -> tuple[BundleResult, list[Stage]]:
+    """Runs the model's attacks on one batch as a cascade under ``plan`` (see the module
+    docstring).
 
     Args:
       plan: a checked :class:`jaxbundle.Plan`: its threat model and schedule (``goal``,
@@ -472,36 +495,38 @@ def cascade(plan: Plan, attacks: Sequence[Attack], apply_fn: Callable, params: A
         ``focus``, ``segments``, ``buckets``; see the module docstring), ``restart_mode``
         (``"cascade"``: a stage's restarts one after another; the stages loop with
         ``lax.fori_loop``: ``unroll`` is the full bundle's).
-      attacks: the plan's attacks as built for this model (EOT applied).
-      apply_fn, params, x, y, key, example_id, eps: as in :func:`jaxbundle.bundler.bundle`.
-      goal_names: the goals the bundle tracks (:func:`jaxbundle.bundler.goals_for`).
-      mask: host bool ``[B]``, False on padding rows (never attacked); default all True.
-      mesh: the 1-D ``("batch",)`` mesh the batch is sharded over, if any: bucket sizes are
-        multiples of its size, and the survivors' mask is replicated before it is read, so every
-        process reads the same mask and runs the same programs.
+      model: the model, its attacks as built for it (EOT applied), the goals the bundle tracks
+        (:func:`jaxbundle.bundler.goals_for`), the run's key and the 1-D ``("batch",)`` mesh
+        the batch is sharded over, if any: bucket sizes are multiples of its size, and the
+        survivors' mask is replicated before it is read, so every process reads the same mask
+        and runs the same programs.
+      batch: the images, labels and example ids (as in :func:`jaxbundle.bundler.bundle`) and
+        ``real``, host bool ``[B]``, False on padding rows (never attacked).
+      eps: the radius, a scalar or one per example.
 
     Returns:
       ``(result, stages)``: a :class:`BundleResult` like the full bundle's (``attack_success``
       and ``attack_distortion`` only where the attack ran; ``gradients`` / ``queries`` what
       each example really cost) and one :class:`Stage` per attack.
     """
-    attacks, focus, batch = tuple(attacks), plan.focus_map, int(y.shape[0])
-    probes, escalate = plan.probe_map, plan.escalate_map
-    real = np.ones(batch, bool) if mask is None else np.asarray(mask, bool)
+    attacks, params, mesh = tuple(model.attacks), model.params, model.mesh
+    x, y, key, example_id = batch.x, batch.y, model.key, batch.example_id
+    focus, probes, escalate = plan.focus_map, plan.probe_map, plan.escalate_map
+    n = int(y.shape[0])
+    real = np.ones(n, bool) if batch.real is None else np.asarray(batch.real, bool)
     eps = jnp.broadcast_to(jnp.asarray(eps, jnp.float32), y.shape)
-    best, clean, eps_aimed, grid = _start(
-        params, x, y, key, example_id, eps, apply_fn=apply_fn, goal_names=goal_names,
-        norm=plan.norm, judging=plan.judging,
-    )
+    rules = bundler.Rules(model.apply_fn, model.goal_names, plan.norm, plan.judging,
+                          plan.restart_mode, plan.unroll)
+    best, clean, eps_aimed, grid = _start(params, x, y, key, example_id, eps, rules=rules)
     multiple = 1 if mesh is None else mesh.devices.size
-    b = _Batch(plan, apply_fn, params, x, y, key, example_id, eps, eps_aimed, goal_names,
-               bucket_sizes(batch, multiple, plan.buckets),
-               bucket_sizes(batch, multiple, per_halving=1),
+    b = _Batch(plan, rules, params, x, y, key, example_id, eps, eps_aimed,
+               bucket_sizes(n, multiple, plan.buckets),
+               bucket_sizes(n, multiple, per_halving=1),
                _host_reader(mesh))
-    rows = _AttackRows.empty(len(attacks), batch)
-    spent = np.zeros(batch, np.int64)  # model passes per example so far (host)
-    gradients = np.zeros(batch, np.int64)
-    queries = np.zeros(batch, np.int64)
+    rows = _AttackRows.empty(len(attacks), n)
+    spent = np.zeros(n, np.int64)  # model passes per example so far (host)
+    gradients = np.zeros(n, np.int64)
+    queries = np.zeros(n, np.int64)
     left = None if plan.budget is None else float(plan.budget) * int(real.sum())
     stages = []
     for k, whole in enumerate(attacks):
@@ -528,5 +553,4 @@ def cascade(plan: Plan, attacks: Sequence[Attack], apply_fn: Callable, params: A
         judged_on_grid=grid,
     )
     # A stochastic model's winners re-judged on held-out calls, as the full bundle's are.
-    return bundler.held_out(result, params, x, y, key, example_id, eps, apply_fn=apply_fn,
-                            norm=plan.norm, judging=plan.judging), stages
+    return bundler.held_out(result, params, x, y, key, example_id, eps, rules=rules), stages

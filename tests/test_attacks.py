@@ -203,14 +203,14 @@ class TestConformance:
         run = lambda xx, e, k: bundle(  # noqa: E731
             [attack], linear_apply, params, images(xx), jnp.asarray(y), k, eps=e, norm=norm
         )
-        from jaxbundle.bundler import _bundle
+        from jaxbundle.bundler import run as program
 
         run(x, EPS[norm], KEY)  # compiles (or finds the program of an earlier test)
-        before = _bundle._cache_size()
+        before = program._cache_size()
         run(x[::-1].copy(), EPS[norm] / 2, jax.random.key(5))  # new images, eps and key
         params = jax.tree.map(lambda p: p * 2, params)  # new parameter values
         run(x, EPS[norm], KEY)
-        assert _bundle._cache_size() == before
+        assert program._cache_size() == before
 
 
 def test_random_start_differs_between_keys():

@@ -81,11 +81,10 @@ def test_pgd_program_starts_as_the_bundler_does():
     prog = pgd_overhead.make_pgd_program(_linear, attack, fold=False, unroll=1, loop="scan")
     got = prog(params, x, y, key)
     ids = jnp.arange(x.shape[0], dtype=jnp.int32)
-    stage = dict(apply_fn=_linear, attack=attack, index=0, goal_names=("misclassify",),
-                 norm="linf", judging="float", restart_mode="vmap")
-    running = bundler.start_stage(params, x, y, key, ids, harness.EPS, **stage)
+    driver = bundler.Driver(attack, 0, bundler.Rules(_linear, ("misclassify",), "linf", "float"))
+    running = bundler.start_stage(params, x, y, key, ids, harness.EPS, driver=driver)
     start = np.asarray(running.state.x[0])
-    running = bundler.step_stage(params, running, x, y, harness.EPS, 0, 1, **stage)
+    running = bundler.step_stage(params, running, x, y, harness.EPS, 0, 1, driver=driver)
     np.testing.assert_allclose(np.asarray(got), np.asarray(running.state.x[0]), atol=1e-6)
     # With the fold, the best is step 0's candidate (PGD's iterate whose gradient the step
     # took: the random start) wherever the model misclassifies it, since it beats the start

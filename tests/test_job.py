@@ -367,8 +367,8 @@ def test_run_job_as_a_library_call(user, tmp_path):
     surrogate = job.ModelRef("copy", lambda progress: (apply_fn, params), "test")
     plan = jaxbundle.Plan(eps=0.1, attacks=("pgd-ce",), steps=10, batch_size=16)
     path, results = job.run_job(
-        [model], source, plan, out=str(tmp_path / "lib"), shifts=True,
-        best_effort=True, surrogates=[surrogate],
+        [model], source, plan, job.JobOptions(out=str(tmp_path / "lib"), shifts=True,
+                                              best_effort=True, surrogates=[surrogate]),
     )
     report = json.loads(open(path).read())
     m = report["models"]["mine"]

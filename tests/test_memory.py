@@ -27,11 +27,11 @@ def _model():
 def _compiled_per_example(apply_fn, params, attack, restart_mode):
     def planned(batch):
         s = lambda dtype, *rest: jax.ShapeDtypeStruct((batch, *rest), dtype)  # noqa: E731
-        m = bundler._bundle.lower(
+        goals = bundler.goals_for(("misclassify", "max_confidence", "min_norm"), (attack,))
+        m = bundler.run.lower(
             params, s(jnp.float32, *SHAPE), s(jnp.int32), jax.random.key(0), s(jnp.int32),
-            s(jnp.float32), apply_fn=apply_fn, attacks=(attack,), goal_names=bundler.goals_for(
-                ("misclassify", "max_confidence", "min_norm"), (attack,)),
-            norm="linf", judging="auto", unroll=1, restart_mode=restart_mode,
+            s(jnp.float32), attacks=(attack,),
+            rules=bundler.Rules(apply_fn, goals, "linf", "auto", restart_mode, 1),
         ).compile().memory_analysis()
         return m.temp_size_in_bytes + m.output_size_in_bytes
 

@@ -17,9 +17,10 @@ from jaxbundle import attacks as attacks_lib
 from jaxbundle import goals as goals_lib
 from jaxbundle import suites
 from jaxbundle import Plan, evaluate
-from jaxbundle.bundler import _bundle, bundle, goals_for
-from jaxbundle.schedule import (PROBE_GAIN, _after_probe, _focus_size, _nearest_bucket,
-                                bucket_sizes, cascade)
+from jaxbundle.bundler import Rules, bundle, goals_for
+from jaxbundle.bundler import run as run_bundle
+from jaxbundle.schedule import (PROBE_GAIN, Batch, Model, _after_probe, _focus_size,
+                                _nearest_bucket, bucket_sizes, cascade)
 from toys import images, linear_apply, linear_problem, min_distance
 
 KEY = jax.random.key(7)
@@ -31,7 +32,8 @@ def _cascade(atts, params, x, y, ids, eps, *, goal_names, norm="linf", judging="
     plan's eps is the largest radius; the batch's own, possibly per example, is passed)."""
     plan = Plan(eps=float(np.max(eps)), norm=norm, judging=judging, attacks=tuple(atts),
                 goals=goal_names, mode="cascade", **schedule).check()
-    return cascade(plan, atts, linear_apply, params, x, y, KEY, ids, eps, goal_names=goal_names)
+    model = Model(linear_apply, params, tuple(atts), goal_names, KEY, None)
+    return cascade(plan, model, Batch(x, y, ids, None, None), eps)
 
 
 def _evaluate(params, x, y, atts, eps, **plan):
@@ -393,9 +395,9 @@ def test_a_probe_ranks_survivors_by_the_stage_s_own_progress():
     margin = np.asarray(first.best["misclassify"].score.margin)
     # The probe alone: the same Square, the same keys (index 1), stopped after `probe` steps
     # (no rescaled schedule, so its first steps are the long run's).
-    short = _bundle(params, x, y, KEY, ids, jnp.full(y.shape, eps, jnp.float32),
-                    apply_fn=linear_apply, attacks=(square(probe + 1),), goal_names=goals,
-                    norm="linf", judging="auto", unroll=1, restart_mode="vmap", indices=(1,))
+    short = run_bundle(params, x, y, KEY, ids, jnp.full(y.shape, eps, jnp.float32),
+                       rules=Rules(linear_apply, goals, "linf"), attacks=(square(probe + 1),),
+                       indices=(1,))
     own = np.asarray(short.best["misclassify"].score.margin)
     start = np.asarray(short.clean.margin)
     progress = (own - start) / np.abs(start)

@@ -19,7 +19,7 @@ from jaxbundle import sampling
 from jaxbundle import suites
 from jaxbundle.attacks.base import Attack, Candidate, LabelOracle, ScoreOracle, WhiteBoxModel
 from jaxbundle.bundler import bundle, goals_for
-from jaxbundle.schedule import cascade
+from jaxbundle.schedule import Batch, Model, cascade
 from toys import dot_flops, images, linear_apply, linear_problem, min_distance
 
 KEY = jax.random.key(3)
@@ -471,7 +471,8 @@ def test_cascade_on_a_stochastic_model_fools_what_the_full_bundle_fools(segments
     full = bundle(atts, model, params, x, y, KEY, eps=eps, goals=goals, example_id=ids)
     plan = jaxbundle.Plan(eps=eps, attacks=tuple(atts), goals=("misclassify",), mode="cascade",
                           segments=segments).check(model)
-    res, _ = cascade(plan, atts, model, params, x, y, KEY, ids, eps, goal_names=goals)
+    res, _ = cascade(plan, Model(model, params, tuple(atts), goals, KEY, None),
+                     Batch(x, y, ids, None, None), eps)
 
     def fooled(r):
         return np.asarray(goals_lib.success("misclassify", r.best["misclassify"].score, eps))

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxbundle import data, goals, models, suites
-from jaxbundle.bundler import _bundle, goals_for
+from jaxbundle.bundler import Rules, goals_for, run
 
 PROBES = (50, 100, 250, 500, 1000)
 SHARES = (0.04, 0.08, 0.16, 0.32)
@@ -32,9 +32,8 @@ SHARES = (0.04, 0.08, 0.16, 0.32)
 def _run(attacks, indices, apply_fn, params, x, y, eps, norm):
     g = goals_for(("misclassify",), attacks)
     ids = jnp.arange(len(y), dtype=jnp.int32)
-    r = _bundle(params, x, y, jax.random.key(0), ids, jnp.full(y.shape, eps, jnp.float32),
-                apply_fn=apply_fn, attacks=tuple(attacks), goal_names=g, norm=norm,
-                judging="auto", unroll=1, restart_mode="vmap", indices=indices)
+    r = run(params, x, y, jax.random.key(0), ids, jnp.full(y.shape, eps, jnp.float32),
+            rules=Rules(apply_fn, g, norm), attacks=tuple(attacks), indices=indices)
     s = r.best["misclassify"].score
     return (np.asarray(s.margin), np.asarray(goals.success("misclassify", s, eps)),
             np.asarray(r.clean.margin))
