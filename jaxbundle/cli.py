@@ -1,6 +1,6 @@
 """The ``jaxbundle`` command.
 
-``jaxbundle evaluate``  evaluates the demo models (trained once, cached) or your own
+``jaxbundle evaluate``  evaluates the demo models (shipped weights) or your own
                         (``--model MODULE:FUNCTION``) on the embedded MNIST sample or your data
                         (``--data npz:PATH`` / ``tfds:NAME``) and writes a report directory.
 ``jaxbundle attacks``   lists the available attacks and bundles.

@@ -3,8 +3,9 @@
 ``jaxbundle evaluate`` and the scripts in ``experiments/`` parse their flags and call
 :func:`run_job`; everything they do happens here or below. For each model it
 
-1. loads the model (a demo model, trained once and cached, or the user's ``MODULE:FUNCTION``)
-   and checks it on a few examples (:func:`jaxbundle.models.check_model`);
+1. loads the model (a demo model: its shipped weights, or trained once and cached; or the
+   user's ``MODULE:FUNCTION``) and checks it on a few examples
+   (:func:`jaxbundle.models.check_model`);
 2. streams the data through :func:`jaxbundle.evaluate` under the plan (resumable with
    ``checkpoint_dir``; adversarial images written to ``out/adversarial/<model>/`` with
    ``save_images``);

@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from jaxbundle.evaluation import Evaluation
 from jaxbundle.formatting import encode_infinities, number
 from jaxbundle.schema import SCHEMA_VERSION, with_extras
+
+if TYPE_CHECKING:  # annotations only: the report reads records, it runs nothing
+    from jaxbundle.evaluation import Evaluation
 
 __all__ = ["SCHEMA_VERSION", "table", "print_tables", "write_report", "markdown"]
 
