@@ -5,14 +5,65 @@
 ``jaxbundle evaluate`` does; ``jaxbundle.bundle(attacks, apply_fn, params, x, y, key, eps=...)``
 is the per-batch core. Importing the package loads neither the demo models and their trainer
 nor any dataset reader: they load when used (``jaxbundle.models``, ``jaxbundle.data.tfds``).
+
+The package's layers are its folders: ``core/`` (the jit side of one batch), ``attacks/``,
+``run/`` (the host side of one evaluation), ``report/``, ``studies/``, ``certify/``, ``data/``,
+``models/``; at the top only what a user meets (``plan``, ``bundles``, ``suites``,
+``presets``, ``evaluation``, ``job``, ``cli``). The modules' earlier import paths
+(``jaxbundle.bundler``, ``jaxbundle.schedule``, ...) still import the same modules
+(:data:`MOVED`).
 """
 
-from jaxbundle import attacks, bundles, certify, goals, losses, norms
-from jaxbundle.bundler import BestState, BundleResult, bundle
-from jaxbundle.defences import Defended, bpda, defended, with_bpda
-from jaxbundle.evaluation import Evaluation, evaluate
-from jaxbundle.plan import AttackSpec, Plan
-from jaxbundle.sampling import Stochastic, stochastic, with_eot
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+
+# Where each module that sat at the top of the package before the layer folders lives now.
+MOVED = {
+    **{f"jaxbundle.{m}": f"jaxbundle.core.{m}" for m in (
+        "arithmetic", "bundler", "canonical", "goals", "judge", "losses", "norms", "sampling",
+        "validation")},
+    **{f"jaxbundle.{m}": f"jaxbundle.run.{m}" for m in (
+        "adapters", "checkpoint", "checks", "defences", "files", "memory", "runners")},
+    "jaxbundle.schedule": "jaxbundle.run.cascade",
+    **{f"jaxbundle.{m}": f"jaxbundle.report.{m}" for m in (
+        "compare", "curves", "formatting", "metrics", "outputs", "plots", "schema")},
+    **{f"jaxbundle.{m}": f"jaxbundle.studies.{m}" for m in (
+        "best_effort", "shifts", "transfer")},
+}
+
+
+class _Moved(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Imports a module by its earlier path: the module at its new one, the same object."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        return importlib.util.spec_from_loader(fullname, self) if fullname in MOVED else None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        sys.modules[module.__name__] = importlib.import_module(MOVED[module.__name__])
+
+
+if not any(isinstance(f, _Moved) for f in sys.meta_path):
+    sys.meta_path.insert(0, _Moved())
+
+
+def __getattr__(name: str):
+    if f"jaxbundle.{name}" in MOVED:  # jaxbundle.bundler without importing it first
+        return importlib.import_module(f"jaxbundle.{name}")
+    raise AttributeError(f"module 'jaxbundle' has no attribute {name!r}")
+
+
+from jaxbundle import attacks, bundles, certify  # noqa: E402
+from jaxbundle.core import goals, losses, norms  # noqa: E402
+from jaxbundle.core.bundler import BestState, BundleResult, bundle  # noqa: E402
+from jaxbundle.core.sampling import Stochastic, stochastic, with_eot  # noqa: E402
+from jaxbundle.evaluation import Evaluation, evaluate  # noqa: E402
+from jaxbundle.plan import AttackSpec, Plan  # noqa: E402
+from jaxbundle.run.defences import Defended, bpda, defended, with_bpda  # noqa: E402
 
 __all__ = ["AttackSpec", "BestState", "BundleResult", "Defended", "Evaluation", "Plan",
            "Stochastic", "attacks", "bpda", "bundle", "bundles", "certify", "defended",

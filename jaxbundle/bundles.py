@@ -58,7 +58,8 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-from jaxbundle import norms, suites
+from jaxbundle.core import norms
+from jaxbundle import suites
 from jaxbundle.attacks.base import Attack
 from jaxbundle.plan import AttackSpec, Plan
 

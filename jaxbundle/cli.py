@@ -443,7 +443,7 @@ def _evaluate(args: argparse.Namespace, console: Console) -> None:
 
 
 def _compare(args: argparse.Namespace, console: Console) -> None:
-    from jaxbundle.compare import compare_markdown, compare_rows, compare_table, load_reports
+    from jaxbundle.report.compare import compare_markdown, compare_rows, compare_table, load_reports
 
     rows = compare_rows(load_reports(args.reports))
     if args.markdown:

@@ -30,20 +30,20 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxbundle import adapters
-from jaxbundle import checkpoint
-from jaxbundle import checks as checks_lib
+from jaxbundle.run import adapters
+from jaxbundle.run import checkpoint
+from jaxbundle.run import checks as checks_lib
 from jaxbundle import data as data_lib
-from jaxbundle import judge
-from jaxbundle import norms
-from jaxbundle import runners
-from jaxbundle import sampling
-from jaxbundle import schema
-from jaxbundle.checkpoint import load_images  # noqa: F401  (the images a run wrote)
-from jaxbundle.metrics import Counts, Setting
-from jaxbundle.outputs import curve_metrics, kind_distortions, stochastic_metrics
+from jaxbundle.core import judge
+from jaxbundle.core import norms
+from jaxbundle.run import runners
+from jaxbundle.core import sampling
+from jaxbundle.report import schema
+from jaxbundle.run.checkpoint import load_images  # noqa: F401  (the images a run wrote)
+from jaxbundle.report.metrics import Counts, Setting
+from jaxbundle.report.outputs import curve_metrics, kind_distortions, stochastic_metrics
 from jaxbundle.plan import Plan
-from jaxbundle.validation import check_inputs, goals_for, model_dtypes
+from jaxbundle.core.validation import check_inputs, goals_for, model_dtypes
 
 __all__ = ["Evaluation", "default_mesh", "evaluate", "for_model", "load_images"]
 

@@ -26,16 +26,16 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 import jax
 import numpy as np
 
-from jaxbundle import checks
-from jaxbundle import curves
+from jaxbundle.run import checks
+from jaxbundle.report import curves
 from jaxbundle import data as data_lib
 from jaxbundle import models as models_lib
-from jaxbundle import schema
-from jaxbundle.checkpoint import saved_batch_size
-from jaxbundle.defences import declared, with_bpda
+from jaxbundle.report import schema
+from jaxbundle.run.checkpoint import saved_batch_size
+from jaxbundle.run.defences import declared, with_bpda
 from jaxbundle.evaluation import Evaluation, evaluate, for_model
 from jaxbundle.plan import Plan
-from jaxbundle.sampling import is_stochastic
+from jaxbundle.core.sampling import is_stochastic
 
 __all__ = [
     "JobOptions",
@@ -172,7 +172,7 @@ def best_effort_metrics(plan: Plan, apply_fn: Callable, params: Any, source: dat
     """RoBIC's best-effort mode over the whole source: the P(D) curve and D1/2 of the plan's
     fixed-budget white-box attacks' bisected distortions (up to the plan's eps), and those
     distortions per example."""
-    from jaxbundle.best_effort import best_effort
+    from jaxbundle.studies.best_effort import best_effort
 
     fixed = tuple(a for a in plan.attack_values() if a.goal == "misclassify" and not a.black_box)
     if not fixed:
@@ -203,7 +203,7 @@ def transfer_metrics(plan: Plan, surrogates: Sequence[tuple[str, Callable, Any]]
     """Transfer bundling from the surrogates over the whole source, with the plan's white-box
     attacks: the target's robust accuracy under the voted transfer and under each surrogate, and
     per-example success."""
-    from jaxbundle.transfer import transfer_bundle
+    from jaxbundle.studies.transfer import transfer_bundle
 
     white = tuple(a for a in plan.attack_values() if not a.black_box)
     if not white:
@@ -276,7 +276,7 @@ def run_job(
       ``(path of report.json or None on processes other than 0, {model: (evaluation,
       seconds)})``.
     """
-    from jaxbundle.report import print_tables, write_report
+    from jaxbundle.report.writers import print_tables, write_report
 
     plan.check()
     names = [m.name for m in models]
@@ -373,7 +373,7 @@ def _evaluate_model(ref: ModelRef, apply_fn: Callable, params: Any, source: data
                     ) -> tuple[Evaluation, float]:
     """One model of the job: its evaluation under the plan, then the shifts, best-effort
     distortions and transfer asked for, and the seconds it all took."""
-    from jaxbundle.shifts import evaluate_shifts
+    from jaxbundle.studies.shifts import evaluate_shifts
 
     if is_stochastic(apply_fn):
         if job.best_effort or surrogates:
@@ -430,7 +430,7 @@ def fitted_batch_size(plan: Plan, apply_fn: Callable, params: Any,
     """The batch size of :func:`jaxbundle.memory.auto_batch_size` for ``plan``'s attacks on this
     model, over every device of every process (the smallest of the processes' answers, so that
     all run the same batches)."""
-    from jaxbundle import memory
+    from jaxbundle.run import memory
 
     devices = jax.device_count()
     size = memory.auto_batch_size(for_model(plan, apply_fn)[1], plan.restart_mode, apply_fn,

@@ -37,11 +37,11 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-from jaxbundle import goals as goals_lib
-from jaxbundle import judge
-from jaxbundle import norms
+from jaxbundle.core import goals as goals_lib
+from jaxbundle.core import judge
+from jaxbundle.core import norms
 from jaxbundle import suites
-from jaxbundle import validation
+from jaxbundle.core import validation
 from jaxbundle.attacks.base import Attack
 
 __all__ = ["AttackSpec", "DEFAULT_GOALS", "MODES", "Plan"]
@@ -51,7 +51,6 @@ MODES = ("full", "cascade")
 RESTART_MODES = ("vmap", "map", "cascade")
 # Certified lower bounds (jaxbundle.certify): bound propagation, the exact MIP, smoothing.
 CERTIFY_METHODS = ("ibp", "crown-ibp", "crown", "complete", "smoothing")
-CERTIFY_TIME_LIMIT = 10.0  # the complete mode's default seconds per example
 MAX_BUCKETS = 64  # bucket sizes per halving of the batch, at most
 
 
@@ -167,7 +166,7 @@ class Plan:
         _check_run(self)
         _check_certify(self)
         if apply_fn is not None:
-            from jaxbundle import sampling
+            from jaxbundle.core import sampling
 
             if not sampling.is_stochastic(apply_fn):
                 if self.eot != 1:
@@ -393,7 +392,7 @@ def _check_certify_model(plan: Plan, apply_fn: Callable) -> None:
     propagation a deterministic one."""
     if plan.certify is None:
         return
-    from jaxbundle import sampling
+    from jaxbundle.core import sampling
     from jaxbundle.certify import smoothing
 
     if plan.certify == "smoothing":

@@ -15,7 +15,7 @@ import functools
 from typing import Any, Callable, NamedTuple
 
 from jaxbundle import attacks as attacks_lib
-from jaxbundle import norms as norms_lib
+from jaxbundle.core import norms as norms_lib
 from jaxbundle.attacks.base import Attack, check_count
 
 __all__ = ["ATTACKS", "OPTIONS", "PAPERS", "QUERY_ATTACKS", "NamedAttack", "attack"]

@@ -41,8 +41,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbundle import arithmetic, sampling
-from jaxbundle.sampling import is_stochastic
+from jaxbundle.core import arithmetic, sampling
+from jaxbundle.core.sampling import is_stochastic
 
 __all__ = [
     "KINDS",

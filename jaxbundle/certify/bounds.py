@@ -31,7 +31,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from jaxbundle import arithmetic
+from jaxbundle.core import arithmetic
 from jaxbundle.certify import crown, ibp
 from jaxbundle.certify import graph as graphs
 from jaxbundle.certify import sets

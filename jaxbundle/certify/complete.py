@@ -55,7 +55,7 @@ import numpy as np
 import scipy.sparse
 from scipy.optimize import Bounds, LinearConstraint, milp
 
-from jaxbundle import arithmetic
+from jaxbundle.core import arithmetic
 from jaxbundle.certify.extract import relu_program
 from jaxbundle.certify.program import INPUT, Affine, ReluProgram
 

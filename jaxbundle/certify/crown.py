@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbundle.canonical import canonical_convolutions
+from jaxbundle.core.canonical import canonical_convolutions
 from jaxbundle.certify import graph as graphs
 from jaxbundle.certify import ibp, packing
 from jaxbundle.certify import rounding as rounds

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 import scipy.sparse
 
-from jaxbundle import arithmetic
+from jaxbundle.core import arithmetic
 from jaxbundle.certify import bounds, crown, ibp, sets
 from jaxbundle.certify import graph as graphs
 from jaxbundle.certify.program import INPUT, Affine, ReluProgram

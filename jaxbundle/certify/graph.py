@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxbundle import arithmetic
+from jaxbundle.core import arithmetic
 
 __all__ = [
     "AFFINE", "CONSTANT", "EXACT", "MAXIMUM", "MINIMUM", "RELU", "Arithmetic", "Constant",

@@ -36,7 +36,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxbundle import arithmetic
+from jaxbundle.core import arithmetic
 from jaxbundle.certify.graph import Arithmetic
 
 __all__ = ["FLOOR", "HIGHEST", "TINY", "UNIT", "error", "gamma", "inflation", "magnitude",

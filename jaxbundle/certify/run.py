@@ -21,9 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxbundle import arithmetic, curves, norms, sampling
+from jaxbundle.core import arithmetic, norms, sampling
+from jaxbundle.report import curves
 from jaxbundle.certify import bounds
-from jaxbundle.plan import CERTIFY_TIME_LIMIT
 
 __all__ = ["EXACT", "RADIUS_STEPS", "batch", "bound_above_model", "certified_and_fooled", "curve",
            "figures", "missed_by_attacks", "radius"]
@@ -38,6 +38,8 @@ RADIUS_STEPS = 10
 # Smoothing's estimation samples per example inside an evaluation (Cohen et al. use 100,000:
 # fewer give a smaller certified radius, never an unsound one); n0 and alpha are theirs.
 SMOOTHING_SAMPLES = 10_000
+TIME_LIMIT = 10.0  # the complete mode's default seconds per example (the plan's
+#   certify_time_limit sets another)
 SMOOTHING_ALPHA = 0.001
 
 
@@ -127,7 +129,7 @@ def _exact(plan: Any, model: Any, x: np.ndarray, y: np.ndarray, eps: np.ndarray,
     from jaxbundle.certify import complete  # SciPy's MIP solver: loaded when used
 
     status = np.zeros(len(x), np.int8)
-    limit = plan.certify_time_limit or CERTIFY_TIME_LIMIT
+    limit = plan.certify_time_limit or TIME_LIMIT
     for i in np.flatnonzero(open_):
         (decision,) = complete.complete(model.apply_fn, model.params, x[i:i + 1], y[i:i + 1],
                                         eps=float(eps[i]), time_limit=limit)

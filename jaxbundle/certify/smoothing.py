@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from scipy.stats import beta, norm
 
-from jaxbundle import sampling
+from jaxbundle.core import sampling
 
 __all__ = [
     "GaussianNoise",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxbundle.validation import check_labels, check_pixels  # shared with the bundler
+from jaxbundle.core.validation import check_labels, check_pixels  # shared with the bundler
 
 __all__ = ["check_labels", "check_n", "check_pixels", "to_unit_float", "translate",
            "validate_images"]

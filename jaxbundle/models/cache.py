@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbundle import files
+from jaxbundle.run import files
 from jaxbundle.models.architectures import ApplyFn, Params, model_for, model_name
 from jaxbundle.models.training import (
     ADVERSARIAL,

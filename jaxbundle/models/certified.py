@@ -37,7 +37,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxbundle import losses
+from jaxbundle.core import losses
 from jaxbundle.certify import bounds
 
 __all__ = ["METHODS", "Schedule", "ibp_initialization", "schedule", "verified_loss",

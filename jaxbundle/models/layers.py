@@ -7,7 +7,7 @@ from __future__ import annotations
 import flax.linen as nn
 import jax
 
-from jaxbundle.canonical import (CanonicalConvolutions, _conv_forward,  # noqa: F401
+from jaxbundle.core.canonical import (CanonicalConvolutions, _conv_forward,  # noqa: F401
                                  canonical_convolutions, conv_same)
 
 __all__ = ["CanonicalConvolutions", "Conv", "canonical_convolutions", "conv_same"]

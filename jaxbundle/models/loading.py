@@ -38,10 +38,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbundle import adapters, sampling
-from jaxbundle.adapters import describe_value as _describe
+from jaxbundle.run import adapters
+from jaxbundle.core import sampling
+from jaxbundle.run.adapters import describe_value as _describe
 from jaxbundle.models.architectures import ApplyFn, Params
-from jaxbundle.sampling import is_stochastic
+from jaxbundle.core.sampling import is_stochastic
 
 __all__ = ["LoadedModel", "ModelSpec", "check_model", "load_model", "parse_spec"]
 

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbundle.defences import Defended, defended
+from jaxbundle.run.defences import Defended, defended
 
 __all__ = ["BLOCK", "DEFENCES", "JPEG_LUMINANCE", "TIE_BREAK", "Quantized", "bit_depth",
            "dct_matrix", "jpeg", "quantized", "squeeze"]

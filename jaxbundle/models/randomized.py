@@ -19,7 +19,7 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxbundle.sampling import Stochastic, stochastic
+from jaxbundle.core.sampling import Stochastic, stochastic
 
 __all__ = ["randomized", "Defence", "DEFENCES", "transform"]
 

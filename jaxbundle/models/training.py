@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxbundle import losses, norms
+from jaxbundle.core import losses, norms
 from jaxbundle.models import certified
 from jaxbundle.models.architectures import ApplyFn, Params, model_for
 from jaxbundle.models.config import TrainConfig

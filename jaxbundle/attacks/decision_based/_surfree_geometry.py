@@ -9,7 +9,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from jaxbundle import norms
+from jaxbundle.core import norms
 
 __all__ = ["circle_point", "orthogonalize", "sample_directions"]
 

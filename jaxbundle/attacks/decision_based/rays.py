@@ -60,7 +60,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxbundle import norms
+from jaxbundle.core import norms
 from jaxbundle.attacks.base import Attack, Candidate, LabelOracle, check_count, query_attack
 
 __all__ = [

@@ -84,7 +84,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxbundle import norms
+from jaxbundle.core import norms
 from jaxbundle.attacks.base import Attack, Candidate, LabelOracle, check_count, query_attack
 from jaxbundle.attacks.decision_based._surfree_geometry import (
     circle_point,

@@ -45,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxbundle import losses, norms
+from jaxbundle.core import losses, norms
 from jaxbundle.attacks.base import Attack, Candidate, ScoreOracle, check_count, query_attack
 
 __all__ = ["SPSAConfig", "SPSAState", "rademacher", "spsa_gradient", "init", "step", "spsa"]

@@ -63,7 +63,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbundle import losses, norms
+from jaxbundle.core import losses, norms
 from jaxbundle.attacks.base import Attack, Candidate, ScoreOracle, check_count, query_attack
 
 __all__ = [

@@ -59,7 +59,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxbundle import losses, norms
+from jaxbundle.core import losses, norms
 from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel, check_count, white_box_attack
 
 __all__ = [

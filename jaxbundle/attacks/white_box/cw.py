@@ -55,7 +55,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxbundle import losses, norms
+from jaxbundle.core import losses, norms
 from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel, check_count, white_box_attack
 
 __all__ = [

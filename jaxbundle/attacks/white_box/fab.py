@@ -76,7 +76,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxbundle import losses, norms
+from jaxbundle.core import losses, norms
 from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel, check_count, white_box_attack
 
 __all__ = ["FABConfig", "FABState", "project_hyperplane", "init", "step", "fab"]

@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import jax
 
-from jaxbundle import losses, norms
+from jaxbundle.core import losses, norms
 from jaxbundle.attacks.base import Attack, WhiteBoxModel, white_box_attack
 from jaxbundle.attacks.white_box.pgd import gradient_step
 

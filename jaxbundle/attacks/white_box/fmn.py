@@ -55,7 +55,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxbundle import losses, norms
+from jaxbundle.core import losses, norms
 from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel, check_count, white_box_attack
 
 __all__ = ["FMNConfig", "FMNState", "DEFAULT_ALPHA_INIT", "cosine", "init", "step", "fmn"]

@@ -35,7 +35,7 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxbundle import losses, norms
+from jaxbundle.core import losses, norms
 
 __all__ = [
     "BestState",

@@ -41,7 +41,7 @@ def gradient_bytes(apply_fn: Callable, params: Any, image_shape: Sequence[int],
                    batch: int) -> int:
     """Bytes XLA plans for the input gradient of the summed cross-entropy of ``apply_fn`` on a
     batch of ``batch`` float32 images (temporaries and outputs; nothing is run)."""
-    from jaxbundle import sampling  # light; keeps this module's import free of the bundler
+    from jaxbundle.core import sampling  # light; keeps this module's import free of the bundler
 
     fixed = sampling.fixed(apply_fn)
 

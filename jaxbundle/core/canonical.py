@@ -18,7 +18,7 @@ import jax
 import jax.extend.core
 import jax.numpy as jnp
 
-from jaxbundle import sampling
+from jaxbundle.core import sampling
 
 __all__ = [
     "MIN_SUBPIXEL_FEATURES", "CanonicalConvolutions", "canonical_convolutions", "conv_same",

@@ -11,17 +11,18 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from jaxbundle.formatting import encode_infinities, number
-from jaxbundle.schema import SCHEMA_VERSION, with_extras
+from jaxbundle.report.formatting import encode_infinities, number
+from jaxbundle.report.schema import SCHEMA_VERSION, with_extras
 
-if TYPE_CHECKING:  # annotations only: the report reads records, it runs nothing
-    from jaxbundle.evaluation import Evaluation
+# What the writers read: jaxbundle.evaluation.Evaluation records (metrics, per-example arrays,
+# gallery, attack names), by their fields; the report runs nothing, so it imports no engine.
+Evaluation = Any
 
 __all__ = ["SCHEMA_VERSION", "table", "print_tables", "write_report", "markdown"]
 
@@ -99,7 +100,8 @@ def write_report(
 ) -> str:
     """Writes ``report.json``, ``report.md``, one ``<model>.npz`` and the PNG figures per model
     (the example grid only with the clean images ``x_clean``); returns the JSON path."""
-    from jaxbundle import __version__, plots
+    from jaxbundle import __version__
+    from jaxbundle.report import plots
 
     os.makedirs(out_dir, exist_ok=True)
     models = {}

@@ -78,9 +78,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbundle import checkpoint, defences, sampling
+from jaxbundle.run import checkpoint, defences
+from jaxbundle.core import sampling
 from jaxbundle.attacks.base import Attack
-from jaxbundle.bundler import window_start
+from jaxbundle.core.bundler import window_start
 
 __all__ = [
     "Check", "FLAG_NAMES", "model_checks", "zero_gradients", "example_flags", "summarise", "add",

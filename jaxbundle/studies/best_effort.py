@@ -22,9 +22,9 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxbundle import goals as goals_lib
+from jaxbundle.core import goals as goals_lib
 from jaxbundle.attacks.base import Attack
-from jaxbundle.bundler import bundle
+from jaxbundle.core.bundler import bundle
 
 __all__ = ["BestEffort", "best_effort"]
 

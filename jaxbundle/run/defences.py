@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import jax
 
-from jaxbundle import sampling
+from jaxbundle.core import sampling
 
 __all__ = ["Defended", "bpda", "declared", "defended", "with_bpda"]
 

@@ -37,11 +37,11 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxbundle import arithmetic
-from jaxbundle import goals as goals_lib
-from jaxbundle import norms
+from jaxbundle.core import arithmetic
+from jaxbundle.core import goals as goals_lib
+from jaxbundle.core import norms
 from jaxbundle.attacks.base import WhiteBoxModel
-from jaxbundle.goals import BestState
+from jaxbundle.core.goals import BestState
 
 __all__ = [
     "JUDGING",

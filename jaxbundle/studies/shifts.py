@@ -27,9 +27,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbundle import norms, sampling
+from jaxbundle.core import norms, sampling
 from jaxbundle.attacks.base import per_example_keys
-from jaxbundle.metrics import relative_robustness
+from jaxbundle.report.metrics import relative_robustness
 
 __all__ = ["SHIFTS", "SEVERITIES", "apply_shift", "evaluate_shifts"]
 

@@ -35,8 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbundle import goals as goals_lib
-from jaxbundle.bundler import BundleResult
+from jaxbundle.core import goals as goals_lib
+from jaxbundle.core.bundler import BundleResult
 
 __all__ = [
     "CONFIDENCE_THRESHOLDS",

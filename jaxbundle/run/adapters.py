@@ -40,7 +40,7 @@ from typing import Any, Callable
 
 import jax
 
-from jaxbundle import sampling
+from jaxbundle.core import sampling
 
 __all__ = ["STYLES", "AdaptedModel", "ModelStyleError", "as_apply_fn", "describe_value",
            "is_equinox_module", "is_linen_module", "is_nnx_module"]

@@ -15,11 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbundle import curves
-from jaxbundle import goals as goals_lib
+from jaxbundle.report import curves
+from jaxbundle.core import goals as goals_lib
 from jaxbundle.attacks.base import Attack
-from jaxbundle.bundler import BundleResult
-from jaxbundle.metrics import kind_success
+from jaxbundle.core.bundler import BundleResult
+from jaxbundle.report.metrics import kind_success
 
 __all__ = ["RATE_THRESHOLDS", "curve_metrics", "kind_distortions", "per_example_arrays",
            "stochastic_metrics"]

@@ -38,14 +38,14 @@ from typing import Any, Callable, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 
-from jaxbundle import goals as goals_lib, norms, sampling
+from jaxbundle.core import goals as goals_lib, norms, sampling
 from jaxbundle.attacks.base import Attack, WhiteBoxModel, per_example_keys, threat_model
-from jaxbundle.canonical import fast_gradients
-from jaxbundle.goals import (BestState, candidate_state, cross_fold, fold, fold_all, fold_each,
+from jaxbundle.core.canonical import fast_gradients
+from jaxbundle.core.goals import (BestState, candidate_state, cross_fold, fold, fold_all, fold_each,
                              fold_stacked)
-from jaxbundle.judge import STRETCH, check_judging, judged_on_grid, judged_score, verify
-from jaxbundle.judge import held_out as judge_held_out
-from jaxbundle.validation import check_attacks, check_eot, check_inputs, goals_for
+from jaxbundle.core.judge import STRETCH, check_judging, judged_on_grid, judged_score, verify
+from jaxbundle.core.judge import held_out as judge_held_out
+from jaxbundle.core.validation import check_attacks, check_eot, check_inputs, goals_for
 
 __all__ = ["BestState", "BundleResult", "Driver", "Judged", "Problem", "Rules", "Running",
            "bundle", "candidate_state", "check_attacks", "check_eot", "check_inputs",

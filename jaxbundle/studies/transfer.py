@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbundle import goals as goals_lib
+from jaxbundle.core import goals as goals_lib
 from jaxbundle.attacks.base import Attack
-from jaxbundle.bundler import bundle, check_inputs
-from jaxbundle.sampling import float32_logits, is_stochastic
+from jaxbundle.core.bundler import bundle, check_inputs
+from jaxbundle.core.sampling import float32_logits, is_stochastic
 
 __all__ = ["TransferResult", "transfer_bundle", "choose_by_votes", "transfer_figures"]
 

@@ -18,15 +18,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxbundle import checks as checks_lib
-from jaxbundle import schedule as schedule_lib
-from jaxbundle.bundler import Rules, glue_jit, held_out, run
-from jaxbundle.canonical import fast_gradients
-from jaxbundle.metrics import Counts, Setting
-from jaxbundle.outputs import per_example_arrays
+from jaxbundle.run import checks as checks_lib
+from jaxbundle.run import cascade as schedule_lib
+from jaxbundle.core.bundler import Rules, glue_jit, held_out, run
+from jaxbundle.core.canonical import fast_gradients
+from jaxbundle.report.metrics import Counts, Setting
+from jaxbundle.report.outputs import per_example_arrays
 from jaxbundle.plan import Plan
-from jaxbundle.sampling import is_stochastic
-from jaxbundle.schedule import Batch, Model
+from jaxbundle.core.sampling import is_stochastic
+from jaxbundle.run.cascade import Batch, Model
 
 __all__ = ["RUNNERS", "Batch", "Model", "Runner", "runner"]
 

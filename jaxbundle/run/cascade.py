@@ -81,10 +81,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from jaxbundle import goals as goals_lib
+from jaxbundle.core import goals as goals_lib
 from jaxbundle.attacks.base import Attack, per_example_keys
-from jaxbundle import bundler
-from jaxbundle.bundler import BestState, BundleResult, fold, glue_jit
+from jaxbundle.core import bundler
+from jaxbundle.core.bundler import BestState, BundleResult, fold, glue_jit
 from jaxbundle.plan import Plan
 
 __all__ = [

@@ -12,12 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxbundle import arithmetic
-from jaxbundle import goals as goals_lib
-from jaxbundle import norms
-from jaxbundle import sampling
+from jaxbundle.core import arithmetic
+from jaxbundle.core import goals as goals_lib
+from jaxbundle.core import norms
+from jaxbundle.core import sampling
 from jaxbundle.attacks.base import KINDS, Attack
-from jaxbundle.judge import check_judging
+from jaxbundle.core.judge import check_judging
 
 __all__ = ["check_attacks", "check_eot", "check_inputs", "check_labels", "check_pixels",
            "goals_for"]

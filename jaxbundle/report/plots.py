@@ -21,7 +21,7 @@ import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from jaxbundle.formatting import to_float
+from jaxbundle.report.formatting import to_float
 
 __all__ = [
     "operating_characteristic",

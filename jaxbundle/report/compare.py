@@ -22,8 +22,8 @@ from typing import Sequence
 
 from rich.table import Table
 
-from jaxbundle.formatting import decode_infinities, number, to_float
-from jaxbundle.schema import SCHEMA_VERSION as _SCHEMA_VERSION  # the newest this reads
+from jaxbundle.report.formatting import decode_infinities, number, to_float
+from jaxbundle.report.schema import SCHEMA_VERSION as _SCHEMA_VERSION  # the newest this reads
 
 __all__ = ["load_reports", "compare_rows", "compare_table", "compare_markdown", "ROW_KEYS"]
 
