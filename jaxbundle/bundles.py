@@ -19,20 +19,19 @@ plan ``plan(NAME, norm, eps)`` with the flags given applied to it (``--schedule 
 ``default``
     The main job's, strongest for its cost, run as a cascade, each stage on the survivors of the
     ones before: APGD-CE (20 steps) on every example; APGD-CE again with 100 steps
-    (``apgd-ce-long``) and APGD-T (``apgd-t5``: 5 targets x 40 steps), each on the more
-    promising half of the survivors (rounded as :mod:`jaxbundle.schedule` says); in L2, FAB-T with 3
-    targets x 50 steps (``fab-t3``) on every survivor (on the tuning set, AutoAttack's FAB-T
-    fooled most of what the APGD stages missed in L2), and when it fools 5 % or more of them
-    (gradients that mislead APGD on this model) AutoAttack's FAB-T (``fab-t``: 9 targets x 100,
-    the reference's order) on the survivors left (the plan's ``escalate``; on the tuning set's
-    Linf-trained CNN only that full FAB-T found what AutoAttack's does); then AutoAttack's
-    Square (``square-aa``: 5,000 queries, p_init 0.8), the score-based check against gradient
-    masking: its first 5 % (250 queries) on every survivor (the plan's ``probe``), then on 6 %
-    of them, half the most promising under the earlier stages and half those Square itself
-    brought furthest, and on more when the probe fools survivors (up to all:
-    :data:`jaxbundle.schedule.PROBE_GAIN`).
-    Each stage runs in 6 segments, and an example fooled in one stops there. How it compares
-    with AutoAttack: benchmarks/README.md.
+    (``apgd-ce-long``) and APGD-T (``apgd-t5``: 5 targets x 40 steps), each on the more promising
+    half of the survivors (rounded as :mod:`jaxbundle.run.cascade` says); in L2, FAB-T with 3
+    targets x 50 steps (``fab-t3``) on every survivor (on the tuning set, AutoAttack's FAB-T fooled
+    most of what the APGD stages missed in L2), and when it fools 5 % or more of them (gradients
+    that mislead APGD on this model) AutoAttack's FAB-T (``fab-t``: 9 targets x 100, the reference's
+    order) on the survivors left (the plan's ``escalate``; on the tuning set's Linf-trained CNN only
+    that full FAB-T found what AutoAttack's does); then AutoAttack's Square (``square-aa``: 5,000
+    queries, p_init 0.8), the score-based check against gradient masking: its first 5 % (250
+    queries) on every survivor (the plan's ``probe``), then on 6 % of them, half the most promising
+    under the earlier stages and half those Square itself brought furthest, and on more when the
+    probe fools survivors (up to all: :data:`jaxbundle.run.cascade.PROBE_GAIN`). Each stage runs in
+    6 segments, and an example fooled in one stops there. How it compares with AutoAttack:
+    benchmarks/README.md.
 ``broad``
     A many-attack table (run in full): the ``pgd`` bundle, FMN (100 steps, white-box minimum
     norm), Square (1,000 queries) and a decision-based minimum-norm attack with 1,000 queries

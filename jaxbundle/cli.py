@@ -68,7 +68,7 @@ def _positive_int(text: str) -> int:
 
 
 def _batch_size(text: str) -> int | str:
-    """``--batch-size``: a positive integer, or ``auto`` (:mod:`jaxbundle.memory`)."""
+    """``--batch-size``: a positive integer, or ``auto`` (:mod:`jaxbundle.run.memory`)."""
     return "auto" if text.strip().lower() == "auto" else _positive_int(text)
 
 
@@ -254,7 +254,8 @@ def _schedule_flags(threat: argparse._ArgumentGroup) -> None:
 
 def _stochastic_flags(ev: argparse.ArgumentParser, threat: argparse._ArgumentGroup) -> None:
     random = ev.add_argument_group(
-        "defences (randomised ones: jaxbundle.sampling; preprocessing: jaxbundle.defences)")
+        "defences (randomised ones: jaxbundle.core.sampling; preprocessing: "
+        "jaxbundle.run.defences)")
     random.add_argument(
         "--eot", type=_positive_int, default=None, metavar="N",
         help="every attack averages N model samples per call (expectation over "
@@ -310,7 +311,7 @@ def _run_flags(ev: argparse.ArgumentParser) -> None:
     run.add_argument("--batch-size", type=_batch_size, default=None, metavar="N|auto",
                      help="rows per batch at most (default 250; the examples are split into "
                           "equal batches); auto: the most that fit half the free memory of a "
-                          "device, per model (jaxbundle.memory)")
+                          "device, per model (jaxbundle.run.memory)")
     run.add_argument("--dry-run", action="store_true",
                      help="build and check the plan, print it as JSON and stop")
     run.add_argument("--out", default="jaxbundle-report", help="report directory")

@@ -1,11 +1,11 @@
 """The evaluation driver: a plan run over a dataset in fixed-shape batches, on a device mesh.
 
 ``jaxbundle.evaluate(model, params, data, plan)`` adapts the model once to ``apply_fn(params, x)``
-(:mod:`jaxbundle.adapters`: linen, NNX and Equinox modules too), reads ``data`` batch by batch
+(:mod:`jaxbundle.run.adapters`: linen, NNX and Equinox modules too), reads ``data`` batch by batch
 (padded, so one compiled program serves the whole dataset), runs the plan's runner on each
-(:mod:`jaxbundle.runners`: ``full`` or ``cascade``), sums the batches'
-:class:`jaxbundle.metrics.Counts` and collects the small per-example arrays on the host, then
-computes the figures and the report's model record (:mod:`jaxbundle.schema`).
+(:mod:`jaxbundle.run.runners`: ``full`` or ``cascade``), sums the batches'
+:class:`jaxbundle.report.metrics.Counts` and collects the small per-example arrays on the host, then
+computes the figures and the report's model record (:mod:`jaxbundle.report.schema`).
 
 With several devices the batch axis is sharded over a ``jax.sharding.Mesh`` (params
 replicated); the answer is the same as on one device because every example draws its own
@@ -16,7 +16,7 @@ batch, whose outputs are replicated inside the program, so every process reads t
 result locally. No process ever runs an operation on a global array that the others do not
 (that would deadlock them): host state is numpy, and process 0 only writes files. With
 ``checkpoint_dir``, the state after every batch is written atomically and a rerun resumes
-after the last finished batch with a bit-identical result (:mod:`jaxbundle.checkpoint`).
+after the last finished batch with a bit-identical result (:mod:`jaxbundle.run.checkpoint`).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ from jaxbundle.core.validation import check_inputs, goals_for, model_dtypes
 
 __all__ = ["Evaluation", "default_mesh", "evaluate", "for_model", "load_images"]
 
-# The model-level checks (jaxbundle.checks.model_checks) run on this many images of the first
+# The model-level checks (jaxbundle.run.checks.model_checks) run on this many images of the first
 # batch: five eager calls of the model, which on a ResNet-18 at 224x224 took 0.28 of PGD-10's
 # gradients on 8 images (benchmarks/imagenet_overhead.py); two tell randomness, state and
 # probabilities apart as well.
@@ -57,7 +57,7 @@ CHECKED = 2
 class Evaluation(NamedTuple):
     """What :func:`evaluate` returns."""
 
-    metrics: dict  # the report's model record (jaxbundle.schema.MODEL_FIELDS)
+    metrics: dict  # the report's model record (jaxbundle.report.schema.MODEL_FIELDS)
     per_example: dict[str, np.ndarray]  # arrays of length n_examples (schema.PER_EXAMPLE)
     attack_names: tuple[str, ...]
     # The first fooled examples: ``example_id``, ``x_clean`` and ``x_adv`` (the report's figure).
@@ -214,7 +214,7 @@ def evaluate(
 
     Args:
       model: ``apply_fn(params, x) -> logits`` (images ``[B, H, W, C]`` in [0, 1]), a stochastic
-        model, or a linen, NNX or Equinox module in inference mode (:mod:`jaxbundle.adapters`).
+        model, or a linen, NNX or Equinox module in inference mode (:mod:`jaxbundle.run.adapters`).
       params: a jit argument; a linen module's variables; None for an NNX or Equinox module.
       data: ``(x, y)`` arrays (images float in [0, 1], labels ``[N]``), a
         :class:`jaxbundle.data.Source` (images uint8, or floats in [0, 1]), or a source name
@@ -278,8 +278,9 @@ def evaluate(
 
 def _model_and_data(model: Any, params: Any, data: Any, plan: Plan) -> tuple[Callable, Any,
                                                                           data_lib.Source]:
-    """The model as ``(apply_fn, params)`` (adapted once: :func:`jaxbundle.adapters.as_apply_fn`)
-    and the data as a source, once the plan is checked: a bad plan is refused first."""
+    """The model as ``(apply_fn, params)`` (adapted once:
+    :func:`jaxbundle.run.adapters.as_apply_fn`) and the data as a source, once the plan is
+    checked: a bad plan is refused first."""
     checked = _checked(plan)
     apply_fn, params = adapters.as_apply_fn(model, params)
     return apply_fn, params, _as_source(data, checked, apply_fn, params)
@@ -410,8 +411,8 @@ def _add_batch(state: checkpoint.State, counts: Counts, outputs: dict[str, np.nd
 
 def _results(run: _Run, state: checkpoint.State, model_checks: Any,
              certify_seconds: float = 0.0) -> tuple[dict, dict]:
-    """The model record (:func:`jaxbundle.schema.model_record`) and the per-example arrays of a
-    finished evaluation."""
+    """The model record (:func:`jaxbundle.report.schema.model_record`) and the per-example
+    arrays of a finished evaluation."""
     plan, attacks, n = run.plan, run.model.attacks, run.n
     per_example = {k: np.concatenate(v) for k, v in state.chunks.items()}
     per_example.pop("example_id")

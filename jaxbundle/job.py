@@ -238,7 +238,7 @@ class JobOptions(NamedTuple):
     best_effort: bool = False  # RoBIC's best-effort distortions (bisection on eps up to eps)
     surrogates: Sequence[ModelRef] = ()  # models the attacker owns: transfer of their candidates
     bpda: bool = False  # attack the models that declare a preprocessing with BPDA
-    auto_batch: bool = False  # each model's batch size fitted to the memory (jaxbundle.memory)
+    auto_batch: bool = False  # each model's batch size fitted to the memory (jaxbundle.run.memory)
 
 
 def run_job(
@@ -427,7 +427,7 @@ def _evaluate_model(ref: ModelRef, apply_fn: Callable, params: Any, source: data
 
 def fitted_batch_size(plan: Plan, apply_fn: Callable, params: Any,
                       image_shape: Sequence[int]) -> int:
-    """The batch size of :func:`jaxbundle.memory.auto_batch_size` for ``plan``'s attacks on this
+    """The batch size of :func:`jaxbundle.run.memory.auto_batch_size` for ``plan``'s attacks on this
     model, over every device of every process (the smallest of the processes' answers, so that
     all run the same batches)."""
     from jaxbundle.run import memory

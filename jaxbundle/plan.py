@@ -7,7 +7,7 @@ A :class:`Plan` is frozen and hashable. It holds
   own budget, or :class:`~jaxbundle.attacks.base.Attack` values), the ``bundle`` they came from
   and the overrides ``steps``, ``restarts``, ``step_size``, ``queries`` of every named attack;
 * the schedule: ``mode`` (``"full"``: every attack on every example; ``"cascade"``: each on
-  the examples whose ``goal`` the ones before left unsatisfied, see :mod:`jaxbundle.schedule`),
+  the examples whose ``goal`` the ones before left unsatisfied, see :mod:`jaxbundle.run.cascade`),
   ``threshold`` (the max-confidence goal's t), ``budget``, ``focus``, ``probe``, ``escalate``
   (stages that run only when the stage before them fooled enough of what it ran on),
   ``segments`` and ``buckets`` (the compacted batch sizes per halving of the batch: more, less
@@ -141,13 +141,13 @@ class Plan:
     @property
     def probe_map(self) -> dict[str, float]:
         """``probe`` as a dict (attack name -> the fraction of its steps every survivor runs
-        before focus chooses: :func:`jaxbundle.schedule.probe_steps`)."""
+        before focus chooses: :func:`jaxbundle.run.cascade.probe_steps`)."""
         return dict(self.probe)
 
     @property
     def escalate_map(self) -> dict[str, float]:
         """``escalate`` as a dict (attack name -> the share of the examples the stage before it
-        ran on that this stage must have fooled for it to run: :func:`jaxbundle.schedule`)."""
+        ran on that this stage must have fooled for it to run: :func:`jaxbundle.run.cascade`)."""
         return dict(self.escalate)
 
     def attack_values(self) -> tuple[Attack, ...]:

@@ -173,7 +173,7 @@ class WhiteBoxModel:
 
     ``grid`` (``[B]`` bool, or ``None``: wherever the clean image is on the grid) tells the
     attacker which examples the bundle judges on the 8-bit grid, so that an attack searching
-    on the grid does so exactly where it matters (:func:`jaxbundle.norms.snap_to_grid`).
+    on the grid does so exactly where it matters (:func:`jaxbundle.core.norms.snap_to_grid`).
 
     A stochastic model (:func:`jaxbundle.stochastic`) also needs ``keys`` (``[B]``: this
     step's key per example) and averages ``samples`` calls (EOT) in every answer, as one
@@ -294,7 +294,7 @@ class Attack(NamedTuple):
         which ignore eps and look for the smallest adversarial perturbation (the bundler then
         tracks the min-norm goal too; their candidates within eps also count for misclassify).
       eot: model samples averaged per model call against a stochastic model (expectation over
-        transformation, see :mod:`jaxbundle.sampling`); each counts as a gradient or query.
+        transformation, see :mod:`jaxbundle.core.sampling`); each counts as a gradient or query.
     """
 
     name: str

@@ -16,7 +16,7 @@
   (``Plan(certify=...)``, ``--certify``) and the report's ``certified`` record.
 
 Every bound is a statement about the model's float32 outputs as the judge computes them
-(matrix products at ``Precision.HIGHEST``, :mod:`jaxbundle.arithmetic`), computed at that
+(matrix products at ``Precision.HIGHEST``, :mod:`jaxbundle.core.arithmetic`), computed at that
 precision on any backend, with float32's rounding bounded in the worst case
 (:mod:`~jaxbundle.certify.rounding`). SciPy's solvers and distributions load only when the
 complete mode or smoothing is used.

@@ -15,8 +15,8 @@ Methods (:data:`METHODS`):
   pass per such neuron (in blocks), the tightest and the most expensive.
 
 The returned bounds hold for the model's float32 outputs as the judge computes them (matrix
-products at ``Precision.HIGHEST``, :mod:`jaxbundle.arithmetic`) at every point of the input set,
-and they are computed at that precision whatever the backend's default: each equation's
+products at ``Precision.HIGHEST``, :mod:`jaxbundle.core.arithmetic`) at every point of the
+input set, and they are computed at that precision whatever the backend's default: each equation's
 rounding and the bound's own are allowed for by a worst-case bound
 (:mod:`jaxbundle.certify.rounding`, which says what it assumes). A model computing anything
 else of its input (``exp``, ``x * x``, softmax, ...) raises :class:`UnsupportedPrimitive` when

@@ -20,7 +20,8 @@ intermediate bounds (:func:`refinement`) take a row per ReLU that IBP leaves uns
 the first activation, chosen per example, and a row per element elsewhere, except that
 elements whose input pixels are disjoint share a row (:mod:`jaxbundle.certify.packing`: a
 convolution's neurons a receptive field apart); in blocks of :data:`CHUNK_ELEMENTS`. Strided
-convolutions' transposes take the sub-pixel form (:func:`jaxbundle.canonical.strided_transpose`).
+convolutions' transposes take the sub-pixel form
+(:func:`jaxbundle.core.canonical.strided_transpose`).
 """
 
 from __future__ import annotations

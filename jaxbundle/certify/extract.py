@@ -13,7 +13,7 @@ pre-activation and margin carries a slack (:attr:`ReluProgram.pre_slack`): the r
 model's equations since the last activation, bounded as the sweep bounds it per example
 (:attr:`jaxbundle.certify.ibp.Interval.error`), plus the maps' own rounding (the constants
 carried back, :func:`jaxbundle.certify.crown.backward`'s errors). All of it runs at
-``Precision.HIGHEST`` (:func:`jaxbundle.arithmetic.stated`).
+``Precision.HIGHEST`` (:func:`jaxbundle.core.arithmetic.stated`).
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ class Arithmetic(NamedTuple):
         broadcast's transpose sums the broadcast copies, a convolution's sums output features
         times taps; max pooling's routes sum overlapping windows).
       product: the relative error of each product at the precision the model computes it
-        (:data:`jaxbundle.arithmetic.PRODUCT_ERROR`; 0 where nothing is a matrix product).
+        (:data:`jaxbundle.core.arithmetic.PRODUCT_ERROR`; 0 where nothing is a matrix product).
     """
 
     terms: int = 0
@@ -161,7 +161,7 @@ class Graph(NamedTuple):
 def trace(apply_fn: Callable, params: Any, shape: tuple[int, ...]) -> Graph:
     """The flat program of ``apply_fn(params, x)`` for one example ``x`` of ``shape``
     (``[1, H, W, C]``, float32); ``params`` may be arrays, tracers or ShapeDtypeStructs. Traced
-    as the judge runs the model (:func:`jaxbundle.arithmetic.stated`): a matrix product without
+    as the judge runs the model (:func:`jaxbundle.core.arithmetic.stated`): a matrix product without
     a precision of its own at ``Precision.HIGHEST``.
 
     Raises:

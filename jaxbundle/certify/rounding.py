@@ -17,7 +17,7 @@ in any order and blocking, with or without fused multiply-adds, satisfies
     |fl(sum_i a_i b_i) - sum_i a_i b_i| <= gamma_n sum_i |a_i b_i|,   gamma_n = n u / (1 - n u),
 
 and with each product within a relative ``delta`` of the exact one (a matrix product at a
-narrower precision, :data:`jaxbundle.arithmetic.PRODUCT_ERROR`) the bound is
+narrower precision, :data:`jaxbundle.core.arithmetic.PRODUCT_ERROR`) the bound is
 ``(delta + gamma_n (1 + delta)) sum_i |a_i b_i|`` (:func:`error`). ``sum_i |a_i b_i|`` is bounded
 from the interval bounds the sweep carries: the equation with absolute weights applied to the
 inputs' magnitudes (``|center| + radius``), each layer from its own values. A value flushed to

@@ -8,7 +8,7 @@ the examples neither side decides, and the soundness checks (no example both cer
 fooled, no bound above the model's own clean margin). The radius certified is the radius the
 judge accepts (:func:`radius`): on the 8-bit grid the grid's radius, in float32 the eps ball
 with the judge's float slack. Certificates are statements about the model as the judge
-computes it (float32 ``Precision.HIGHEST``, :mod:`jaxbundle.arithmetic`).
+computes it (float32 ``Precision.HIGHEST``, :mod:`jaxbundle.core.arithmetic`).
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ SMOOTHING_ALPHA = 0.001
 def radius(plan: Any, on_grid: jax.Array) -> jax.Array:
     """``[B]`` the radius to certify: every image the judge would accept lies within it (the
     grid's radius on the 8-bit grid, eps elsewhere, both with the judge's float slack,
-    :func:`jaxbundle.norms.ball_limit`)."""
+    :func:`jaxbundle.core.norms.ball_limit`)."""
     grid = norms.ball_limit(norms.grid_radius(plan.eps, plan.norm))
     return jnp.where(jnp.asarray(on_grid, bool), grid, norms.ball_limit(plan.eps))
 
@@ -123,7 +123,7 @@ def _exact(plan: Any, model: Any, x: np.ndarray, y: np.ndarray, eps: np.ndarray,
     """``[B]`` int8 :data:`EXACT` codes of the complete mode on the rows ``open_`` (0 for the
     others). On a grid-judged row the MIP searches the float box of the grid's radius: its
     adversarial point counts as ``attacked`` when its rounding to the 8-bit grid
-    (:func:`jaxbundle.norms.quantize`, inside the ball and the box) still fools the model as
+    (:func:`jaxbundle.core.norms.quantize`, inside the ball and the box) still fools the model as
     the judge computes it, else it is ``off_grid``: a float image outside the judged threat
     model, which decides nothing about it."""
     from jaxbundle.certify import complete  # SciPy's MIP solver: loaded when used

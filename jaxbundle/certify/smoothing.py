@@ -21,7 +21,7 @@ the radius holds for ``g``. The noise must be exactly ``N(0, sigma^2 I)``: it is
 image and **not clipped** to the data's box (clipping changes the distribution and voids the
 guarantee); the base classifier sees images outside ``[0, 1]``.
 
-A smoothed model is a :class:`jaxbundle.sampling.Stochastic` model (:func:`gaussian`): the
+A smoothed model is a :class:`jaxbundle.core.sampling.Stochastic` model (:func:`gaussian`): the
 library's attacks, EOT and judge run on its noisy calls unchanged, and :func:`certify` finds its
 ``sigma`` and base classifier in its ``apply_fn``, a :class:`GaussianNoise`.
 
@@ -116,7 +116,7 @@ def gaussian(apply_fn: Callable[[Any, jax.Array], jax.Array], sigma: float, *,
       calls, threshold: the judge's calls and success rate (:func:`jaxbundle.stochastic`).
 
     Returns:
-      A :class:`jaxbundle.sampling.Stochastic` whose ``apply_fn`` is a :class:`GaussianNoise`.
+      A :class:`jaxbundle.core.sampling.Stochastic` whose ``apply_fn`` is a :class:`GaussianNoise`.
     """
     if sampling.is_stochastic(apply_fn) or isinstance(apply_fn, GaussianNoise):
         raise ValueError("gaussian smoothing needs a deterministic base classifier "

@@ -9,7 +9,7 @@ jitted program. For each attack (a Python loop at trace time over a static tuple
    (:func:`fold`, a per-example ``where``: no extra forward pass); after the scan the final
    iterate is evaluated once and folded too;
 3. the restarts' bests are folded into one;
-4. :func:`jaxbundle.judge.verify` judges the best images as a user would submit them (on the
+4. :func:`jaxbundle.core.judge.verify` judges the best images as a user would submit them (on the
    8-bit grid inside the ball where the clean image is on the grid, else in float32), re-runs
    the model on them and re-checks box, ball and label: what fails does not count, and nothing
    the attack's own candidate did not achieve is credited to it;
@@ -27,7 +27,7 @@ judge see it, built once per program by :func:`problem`) and :class:`Driver` (on
 run: ``init``, ``steps`` and ``judge``, steps 1-5 above). :func:`run` is the jitted bundle;
 the same three calls, jitted one attack at a time (:func:`start_stage`, :func:`step_stage`,
 :func:`judge_stage`, :func:`take_rows`), let a cascade run a stage in segments and gather the
-rows still running between them (:mod:`jaxbundle.schedule`).
+rows still running between them (:mod:`jaxbundle.run.cascade`).
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def restart_keys(keys: jax.Array, index: int, restart: int | jax.Array) -> jax.A
 def seen(attack: Attack, model: WhiteBoxModel, restart_keys_: jax.Array,
          call: int | jax.Array):
     """What the attack may see of the model (:func:`threat_model`), for a stochastic model with
-    the keys of model call ``call`` of this restart (see :mod:`jaxbundle.sampling`) and the
+    the keys of model call ``call`` of this restart (see :mod:`jaxbundle.core.sampling`) and the
     attack's EOT samples."""
     keys = None
     if model.stochastic:
@@ -247,7 +247,7 @@ class Driver(NamedTuple):
 
     def judge(self, p: Problem, running: Running, t: int | jax.Array,
               last: bool | jax.Array = True) -> Judged:
-        """The attack's bests after ``t`` steps, verified (:func:`jaxbundle.judge.verify`) and
+        """The attack's bests after ``t`` steps, verified (:func:`jaxbundle.core.judge.verify`) and
         offered to every goal; after the ``last`` step (a traced bool: one program judges
         every segment) each restart's current iterate is evaluated and folded in first, and
         the still-improving indicator applies."""
@@ -357,7 +357,7 @@ def run(params: Any, x: jax.Array, y: jax.Array, key: jax.Array, example_id: jax
     """The jitted bundle (:func:`bundle` checks its inputs and calls it). ``indices`` are the
     attacks' positions in the whole bundle (their key folds and the ``attack`` field of their
     candidates); default ``0, 1, ...``: a cascade runs attack ``k`` alone under index ``k``
-    (see :mod:`jaxbundle.schedule`)."""
+    (see :mod:`jaxbundle.run.cascade`)."""
     keys = per_example_keys(key, example_id)
     p = problem(rules, params, x, y, eps, keys)
     clean = clean_state(rules, p)
@@ -411,7 +411,7 @@ def glue_jit(fun=None, **jit_kwargs):
 @glue_jit(static_argnames=("driver",))
 def start_stage(params, x, y, key, example_id, eps, first=0, *, driver: Driver) -> Running:
     """A cascade's stage run in segments: the driver's attack initialised on a bucket of rows,
-    with the same keys as in the full bundle (see :mod:`jaxbundle.schedule`), its restarts
+    with the same keys as in the full bundle (see :mod:`jaxbundle.run.cascade`), its restarts
     numbered from ``first`` (traced: one program for every part of a cascade of restarts)."""
     p = problem(driver.rules, params, x, y, eps, per_example_keys(key, example_id))
     return driver.init(p, clean_state(driver.rules, p), jnp.asarray(first, jnp.int32))
@@ -445,7 +445,7 @@ def take_rows(running: Running, positions: jax.Array) -> Running:
 def held_out(result: BundleResult, params: Any, x: jax.Array, y: jax.Array, key: jax.Array,
              example_id: jax.Array, eps: jax.Array, *, rules: Rules) -> BundleResult:
     """A stochastic model's ``result`` with every goal's winner and the clean image re-judged
-    on held-out calls (:func:`jaxbundle.judge.held_out`: the success, rate and robust accuracy
+    on held-out calls (:func:`jaxbundle.core.judge.held_out`: the success, rate and robust accuracy
     reported) and ``selection_rate`` the misclassify winner's rate on the calls that chose it
     (the winners and ``attack_success`` unchanged); a deterministic model's as it is. ``x, y,
     key, example_id, eps``: as given to the bundle or cascade that produced ``result``."""
@@ -499,7 +499,7 @@ def bundle(  # noqa: PLR0913 (the public call: its keyword options are bundle()'
       apply_fn: ``apply_fn(params, x) -> logits`` (e.g. a flax ``module.apply``), or a
         stochastic model declared with :func:`jaxbundle.stochastic` (``apply_fn(params, x,
         key)``, judged over its ``calls``, its winners re-judged on as many held-out calls:
-        :func:`held_out`; see :mod:`jaxbundle.sampling`).
+        :func:`held_out`; see :mod:`jaxbundle.core.sampling`).
       params: the model's parameters (a jit argument, never baked into the program).
       x: clean images ``[B, ...]`` in [0, 1].
       y: integer labels ``[B]``.
@@ -507,7 +507,7 @@ def bundle(  # noqa: PLR0913 (the public call: its keyword options are bundle()'
       eps: the threat model's radius, a scalar or one per example.
       norm: the threat model's norm, ``"linf"`` or ``"l2"``.
       goals: goals to track (``misclassify`` always is, and ``min_norm`` when a minimum-norm
-        attack is in the bundle): see :mod:`jaxbundle.goals`.
+        attack is in the bundle): see :mod:`jaxbundle.core.goals`.
       example_id: ``[B]`` ids that fix each example's randomness; default ``arange(B)``.
       judging: how candidates are judged. ``"auto"``: an example whose clean image is on the
         8-bit grid is judged on the grid (its image rounded, inside the ball, as a user would

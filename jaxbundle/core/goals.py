@@ -16,7 +16,7 @@ Goals (``eps`` is the threat model's radius, per example):
 ``misclassify``
     Bundled error rate. A success is a misclassified candidate within eps. Keeps the candidate
     within eps with the highest success rate (the fraction of the judge's calls that
-    misclassify it: 0 or 1 for a deterministic model, see :mod:`jaxbundle.sampling`), and
+    misclassify it: 0 or 1 for a deterministic model, see :mod:`jaxbundle.core.sampling`), and
     among equal rates the largest margin ``max_{j != y} z_j - z_y``: a success (margin > 0) is
     never replaced by a failure, and among successes the one deepest inside a wrong class is
     kept, the one most likely to survive rounding to the pixel grid at verification.
@@ -107,7 +107,7 @@ def score(
 
 
 def within(s: Score, eps: jax.Array) -> jax.Array:
-    """Whether the candidate lies inside the eps ball (:func:`jaxbundle.norms.ball_limit`)."""
+    """Whether the candidate lies inside the eps ball (:func:`jaxbundle.core.norms.ball_limit`)."""
     return s.distortion <= norms.ball_limit(eps)
 
 
@@ -242,7 +242,7 @@ def candidate_state(
 ) -> BestState:
     """Wraps one candidate batch as a :class:`BestState` so that it can be folded.
 
-    ``goals``: score only what these goals compare (see :func:`jaxbundle.goals.score`).
+    ``goals``: score only what these goals compare (see :func:`jaxbundle.core.goals.score`).
     """
     batch = x.shape[0]
     full = lambda v: jnp.full((batch,), v, dtype=jnp.int32)  # noqa: E731

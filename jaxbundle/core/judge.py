@@ -4,9 +4,9 @@ A success is judged on what a user would actually submit, re-run through the mod
 
 * **On the 8-bit grid** for an example whose clean image is on it (8-bit data): the image is
   rounded to the nearest grid image inside the eps ball and the box
-  (:func:`jaxbundle.norms.quantize`; a min-norm candidate, which ignores eps, by
+  (:func:`jaxbundle.core.norms.quantize`; a min-norm candidate, which ignores eps, by
   :func:`quantize_min_norm`). The grid holds fewer images than the ball: the largest
-  distortion it allows is :func:`jaxbundle.norms.grid_radius` (whole levels, e.g. 7/255 for
+  distortion it allows is :func:`jaxbundle.core.norms.grid_radius` (whole levels, e.g. 7/255 for
   Linf eps 0.031), which every report states, and the bundler runs the attacks of these
   examples at that radius, so that no saturated perturbation has to be cut back by the
   rounding (at Linf 0.3, attacking at 0.3 and rounding to 76/255 judged 2 points more robust
@@ -25,7 +25,7 @@ Modes (``judging=``): ``"auto"`` (default) as above; ``"grid"`` the same but eve
 must be on the grid (a clear error otherwise); ``"float"`` everything in float32.
 
 Every verdict (the clean prediction, the judged candidates) is computed with the model's matrix
-products at float32 ``Precision.HIGHEST`` (:mod:`jaxbundle.arithmetic`), whatever the backend's
+products at float32 ``Precision.HIGHEST`` (:mod:`jaxbundle.core.arithmetic`), whatever the backend's
 default (TF32 on GPUs, one bfloat16 pass on TPUs): the arithmetic a certificate is a statement
 about, and the same on every backend. The attacks search at the default.
 """
@@ -129,9 +129,10 @@ def judged_score(
     A deterministic model: one call. A stochastic one: each of the judge's calls
     (``model.samples`` of them, the same keys for every image of an example) scored alone; the
     success rate is the fraction of calls that misclassify, ``misclassified`` is ``rate >
-    threshold`` (the model's, :class:`jaxbundle.sampling.Stochastic`), margin and
+    threshold`` (the model's, :class:`jaxbundle.core.sampling.Stochastic`), margin and
     wrong-class confidence are the calls' means and the prediction is the class of highest
-    mean probability. The model's matrix products run at :data:`jaxbundle.arithmetic.PRECISION`.
+    mean probability. The model's matrix products run at
+    :data:`jaxbundle.core.arithmetic.PRECISION`.
     """
     with arithmetic.stated():
         samples = model.sample_logits(x)  # [S, B, K]
@@ -167,7 +168,7 @@ def verify(
 
     Examples judged on the grid (``grid`` ``[B]``, see :func:`judged_on_grid`) get their image
     rounded to the 8-bit grid: for goals bound to eps, the nearest grid image inside the ball
-    and the box (:func:`jaxbundle.norms.quantize`); for min-norm, :func:`quantize_min_norm`
+    and the box (:func:`jaxbundle.core.norms.quantize`); for min-norm, :func:`quantize_min_norm`
     with ``stretch``. The others are judged as they are, in float32. The judged image is
     re-run through the model in float32 and rescored. A candidate outside the box, with
     non-finite logits, or (for eps-bound goals) outside the ball gets the worst score (not
@@ -216,7 +217,7 @@ def _checked_score(model: WhiteBoxModel, x: jax.Array, x0: jax.Array, y: jax.Arr
 def rejudge(best: BestState, goal: str, model: WhiteBoxModel, x0: jax.Array, y: jax.Array,
             eps: jax.Array, norm: str) -> BestState:
     """A chosen best state re-judged on other calls: a stochastic model's winner under the
-    held-out calls ``model`` makes (:func:`jaxbundle.sampling.heldout_keys`), so that its rate
+    held-out calls ``model`` makes (:func:`jaxbundle.core.sampling.heldout_keys`), so that its rate
     is not the maximum of the rates it was chosen by.
 
     The image is the one :func:`verify` judged (already rounded where it is judged on the grid)
@@ -231,7 +232,7 @@ def rejudge(best: BestState, goal: str, model: WhiteBoxModel, x0: jax.Array, y: 
 def held_out(best: dict[str, BestState], model: WhiteBoxModel, x0: jax.Array, y: jax.Array,
              eps: jax.Array, norm: str) -> tuple[dict[str, BestState], goals_lib.Score]:
     """Every goal's winner (:func:`rejudge`) and the clean image re-judged under ``model``, a
-    stochastic model under the held-out keys (:func:`jaxbundle.sampling.heldout_keys`), which
+    stochastic model under the held-out keys (:func:`jaxbundle.core.sampling.heldout_keys`), which
     neither the attacks nor the choice of the winners saw: on the calls that chose it, a
     winner's rate is the largest of its candidates' rates, biased upward; on fresh calls it is
     unbiased. ``model.samples * (goals + 1)`` model passes per example."""

@@ -28,7 +28,7 @@ padding or the number of devices. Every call an attack or the judge makes gets a
 samples, computed as one ``vmap`` axis, and a score-based attack's logits (a decision-based
 attack's majority label) likewise; the budget counts every sample as a model pass.
 
-**Judging** (:func:`jaxbundle.judge.verify`): each candidate is run through ``calls`` fresh
+**Judging** (:func:`jaxbundle.core.judge.verify`): each candidate is run through ``calls`` fresh
 calls; its success rate is the fraction of them that misclassify it, the bundle keeps per
 example the candidate with the best rate (margin averaged over the calls breaks ties), and the
 example counts as fooled when the rate exceeds ``threshold`` (default: more than half of the
@@ -36,7 +36,7 @@ calls). Every restart's best is judged before the restarts are folded (the best 
 wins, not the luckiest draw); within a restart the attack's own, EOT-averaged view picks its
 best step (judging every step would cost ``calls`` passes per step).
 
-**Held-out calls** (:func:`jaxbundle.bundler.held_out`): the rate of the candidate chosen as
+**Held-out calls** (:func:`jaxbundle.core.bundler.held_out`): the rate of the candidate chosen as
 the best of several over the same calls is biased upward (the best of 5 candidates that each
 fool 40 % of the calls fools more than half of 16 calls 54 % of the time, against 14 % for
 one). So once each example's winner is chosen (every goal's, and the clean image), it is

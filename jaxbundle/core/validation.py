@@ -212,9 +212,9 @@ def model_dtypes(apply_fn: Callable, params: Any, x_shape: tuple[int, ...]) -> d
     "precision", "statement"}``: the dtype of its logits, of its parameters' floating leaves,
     of the operands of its matrix products and convolutions (traced on float32 images
     ``x_shape``, nothing is computed), the precisions the model sets on them itself (empty:
-    none, the verdicts' :data:`jaxbundle.arithmetic.PRECISION` applies), and one line for the
+    none, the verdicts' :data:`jaxbundle.core.arithmetic.PRECISION` applies), and one line for the
     console. Whatever the model computes in, margins, probabilities and judging use its logits
-    widened to float32 exactly (:func:`jaxbundle.sampling.float32_logits`)."""
+    widened to float32 exactly (:func:`jaxbundle.core.sampling.float32_logits`)."""
     image = jax.ShapeDtypeStruct(x_shape, jnp.float32)
     closed = jax.make_jaxpr(sampling.fixed(apply_fn))(params, image)
     logits = str(closed.out_avals[0].dtype)

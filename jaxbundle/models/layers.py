@@ -1,5 +1,5 @@
 """The demo CNNs' convolution layer: flax's ``nn.Conv(padding="SAME")`` computed by
-:func:`jaxbundle.canonical.conv_same`, whose backward pass stays fast on XLA:CPU in loops.
+:func:`jaxbundle.core.canonical.conv_same`, whose backward pass stays fast on XLA:CPU in loops.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A model spec is ``MODULE:FUNCTION`` or ``NAME=MODULE:FUNCTION``. MODULE is a dotted module name
 importable from the current directory or ``sys.path`` (as with ``python -m``), or the path of a
 ``.py`` file (anything ending in ``.py`` or containing a path separator). ``FUNCTION()`` takes no
-arguments and returns the model in one of four styles (:mod:`jaxbundle.adapters`): ``(apply_fn,
+arguments and returns the model in one of four styles (:mod:`jaxbundle.run.adapters`): ``(apply_fn,
 params)`` with ``apply_fn(params, x) -> logits``, ``(linen_module, variables)``, a flax NNX
 module or an Equinox module, each mapping ``x`` float32 ``[B, H, W, C]`` in ``[0, 1]`` to logits
 ``[B, K]``. NAME defaults to FUNCTION.
@@ -115,14 +115,14 @@ def load_model(spec: str | ModelSpec) -> LoadedModel:
 
     Returns:
       ``(name, apply_fn, params)``: what ``FUNCTION()`` returned, a module adapted by
-      :func:`jaxbundle.adapters.as_apply_fn` (``apply_fn`` is only checked to be callable;
+      :func:`jaxbundle.run.adapters.as_apply_fn` (``apply_fn`` is only checked to be callable;
       :func:`check_model` checks what it computes).
 
     Raises:
       FileNotFoundError: MODULE is a path and there is no such file.
       ValueError: any other problem: the spec, a module that is missing or fails to import, a
         missing function, ``FUNCTION()`` raising or returning none of
-        :data:`jaxbundle.adapters.STYLES`, a module in training mode.
+        :data:`jaxbundle.run.adapters.STYLES`, a module in training mode.
     """
     if isinstance(spec, str):
         spec = parse_spec(spec)
@@ -146,7 +146,7 @@ def load_model(spec: str | ModelSpec) -> LoadedModel:
 
 def _as_apply_fn(result: Any, spec: ModelSpec, where: str) -> tuple[ApplyFn, Params]:
     """``FUNCTION()``'s ``result``, of any of the four styles, as ``(apply_fn, params)``
-    (:func:`jaxbundle.adapters.as_apply_fn`, which also refuses a module given with params)."""
+    (:func:`jaxbundle.run.adapters.as_apply_fn`, which also refuses a module given with params)."""
     modular = (adapters.is_nnx_module(result) or adapters.is_equinox_module(result)
                or adapters.is_linen_module(result))
     pair = not modular and isinstance(result, (tuple, list)) and len(result) == 2

@@ -1,6 +1,6 @@
 """A randomised demo defence: random input noise and a random shift in front of a classifier.
 
-``randomized(apply_fn)`` returns a :class:`jaxbundle.sampling.Stochastic` model that, on every
+``randomized(apply_fn)`` returns a :class:`jaxbundle.core.sampling.Stochastic` model that, on every
 call and for every image under its own key, adds Gaussian noise of std ``noise`` (clipped to
 the box) and shifts the image by up to ``shift`` pixels in each direction (zero padding, then
 a crop back to the original size) before ``apply_fn`` sees it. Test-time randomness of this

@@ -24,7 +24,7 @@ Figures (over the real examples, mask True):
 * how many examples were judged on the 8-bit grid.
 
 The curves (P(D), D1/2, the failure-rate curve) need every example's exact value and are
-computed from the gathered per-example arrays (:mod:`jaxbundle.curves`), not reduced here.
+computed from the gathered per-example arrays (:mod:`jaxbundle.report.curves`), not reduced here.
 """
 
 from __future__ import annotations

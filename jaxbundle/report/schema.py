@@ -79,8 +79,8 @@ MODEL_FIELDS: tuple[tuple[str, str, str], ...] = (
      "model's logits, of its parameters and of its matrix products and convolutions (margins "
      "and judging use the logits widened to float32 exactly), the precisions the model sets "
      "on them itself, and the arithmetic of the verdicts (float32 Precision.HIGHEST, "
-     "jaxbundle.arithmetic)", ""),
-    ("checks", "{check: {passed, saw, means, advice, examples}} (jaxbundle.checks)", ""),
+     "jaxbundle.core.arithmetic)", ""),
+    ("checks", "{check: {passed, saw, means, advice, examples}} (jaxbundle.run.checks)", ""),
     ("check_flag_names", "the columns of the per-example check_flags", ""),
     ("operating_characteristic", "{grid: [D], white_box | black_box | bundled: [P(D)]} "
      "(a cascade keeps bundled only; with --certify, certified: the fraction not certified "
@@ -190,7 +190,8 @@ def model_record(plan: Any, figures: dict) -> dict:
                    plan=plan.describe())
     unknown = sorted(set(figures) - set(_FROM_EVALUATION))
     if unknown:
-        raise ValueError(f"figures {unknown} are not in the report schema (jaxbundle.schema)")
+        raise ValueError(f"figures {unknown} are not in the report schema "
+                         "(jaxbundle.report.schema)")
     return {name: figures.get(name) for name in _FIELDS}
 
 
@@ -199,7 +200,7 @@ def with_extras(record: dict, **extras: Any) -> dict:
     ``best_effort``, ``transfer``, ``per_example``, ``figures``, ``seconds``, ...)."""
     unknown = sorted(set(extras) - set(_FIELDS))
     if unknown:
-        raise ValueError(f"fields {unknown} are not in the report schema (jaxbundle.schema)")
+        raise ValueError(f"fields {unknown} are not in the report schema (jaxbundle.report.schema)")
     return dict(record, **extras)
 
 
@@ -207,7 +208,7 @@ def config_record(**fields: Any) -> dict:
     """The report's ``config``: exactly the fields of :data:`CONFIG_FIELDS`, in order."""
     if set(fields) != set(_CONFIG):
         raise ValueError(f"config fields {sorted(set(fields) ^ set(_CONFIG))} do not match the "
-                         "report schema (jaxbundle.schema)")
+                         "report schema (jaxbundle.report.schema)")
     return {name: fields[name] for name in _CONFIG}
 
 

@@ -1,10 +1,10 @@
 """Reports: terminal tables, ``report.json``, ``report.md``, per-example ``.npz`` files, figures.
 
 The fields of ``report.json`` and of each ``<model>.npz`` are listed once, in
-:mod:`jaxbundle.schema` (and in docs/report.md); this module only writes them. Infinite values
-(a D1/2 when under half the examples are ever fooled) are written as the string ``"inf"``: JSON
-has no infinity, and a NaN never stands for a number here. ``report.md`` holds the same figures
-as Markdown tables with the PNG plots.
+:mod:`jaxbundle.report.schema` (and in docs/report.md); this module only writes them.
+Infinite values (a D1/2 when under half the examples are ever fooled) are written as the
+string ``"inf"``: JSON has no infinity, and a NaN never stands for a number here.
+``report.md`` holds the same figures as Markdown tables with the PNG plots.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ chained.
 
 Example::
 
-    from jaxbundle.adapters import as_apply_fn
+    from jaxbundle.run.adapters import as_apply_fn
 
     net.eval()                              # a flax NNX module, in inference mode
     apply_fn, params = as_apply_fn(net)     # params: its nnx.State

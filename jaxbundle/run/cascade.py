@@ -13,7 +13,7 @@ attacks of a bundle one stage at a time on one batch:
    ``3/4``, ``1/2``, ``3/8``, ``1/4`` of it, ...: :func:`bucket_sizes`, the plan's ``buckets``
    sizes per halving; padded by repeating the last survivor), so each attack compiles at most
    once per bucket size, never per batch;
-3. stage ``k`` is :func:`jaxbundle.bundler.bundle` with attack ``k`` alone, under the same
+3. stage ``k`` is :func:`jaxbundle.core.bundler.bundle` with attack ``k`` alone, under the same
    per-example keys as in the full bundle (``fold_in(fold_in(key, example_id), k)``), and its
    verified results are folded into the batch's best states at the survivors' rows.
 
@@ -51,11 +51,11 @@ paid for every survivor runs on the survivors that have had the least compute so
 paper's least-run-first rule), the others wait for the next stage.
 
 With ``segments`` N > 1, a stage stops spending inside it too: the attack's steps run in N
-segments (:func:`jaxbundle.bundler.start_stage`, ``step_stage``, ``judge_stage``: one program
+segments (:func:`jaxbundle.core.bundler.start_stage`, ``step_stage``, ``judge_stage``: one program
 per bucket size, the step index traced; a stage run whole is the same three programs in one
 segment). After each, the bests so far are verified and merged; the examples now satisfied
 stop there, and the others go on from their own attack state, gathered into a bucket at most
-half the current size once they fit (:func:`jaxbundle.bundler.take_rows`; attack states have
+half the current size once they fit (:func:`jaxbundle.core.bundler.take_rows`; attack states have
 the batch axis first). An example's
 steps do not depend on the other rows, so the misclassify goal's fooled set is still the full
 bundle's; an example that stopped keeps the image of the segment that fooled it, where the full
@@ -392,7 +392,7 @@ def _run_stage(b: _Batch, attack: Attack, *args,
     """Stage ``attack`` in the plan's segments (after a probe, if it has one), or in one: an
     attack whose goal is never satisfied (min-norm: a smaller distortion is always better) is
     never done early. A stage in one segment still runs as three programs (start, steps,
-    judging), so its glue compiles fast (:func:`jaxbundle.bundler.glue_jit`): a whole-stage
+    judging), so its glue compiles fast (:func:`jaxbundle.core.bundler.glue_jit`): a whole-stage
     program compiled at XLA's defaults made a cascade of the standard bundle compile 14 s
     where the full bundle's one program took 9 s."""
     segments = b.plan.segments
@@ -496,11 +496,11 @@ def cascade(plan: Plan, model: Model, batch: Batch,
         (``"cascade"``: a stage's restarts one after another; the stages loop with
         ``lax.fori_loop``: ``unroll`` is the full bundle's).
       model: the model, its attacks as built for it (EOT applied), the goals the bundle tracks
-        (:func:`jaxbundle.bundler.goals_for`), the run's key and the 1-D ``("batch",)`` mesh
+        (:func:`jaxbundle.core.bundler.goals_for`), the run's key and the 1-D ``("batch",)`` mesh
         the batch is sharded over, if any: bucket sizes are multiples of its size, and the
         survivors' mask is replicated before it is read, so every process reads the same mask
         and runs the same programs.
-      batch: the images, labels and example ids (as in :func:`jaxbundle.bundler.bundle`) and
+      batch: the images, labels and example ids (as in :func:`jaxbundle.core.bundler.bundle`) and
         ``real``, host bool ``[B]``, False on padding rows (never attacked).
       eps: the radius, a scalar or one per example.
 

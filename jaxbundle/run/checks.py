@@ -43,7 +43,7 @@ best candidate (``per_example["attack_step"]``) on the examples it did not fool:
 ``still_improving``
     A fixed-budget white-box attack of at least 10 steps failed while its best margin was
     still rising: its last 10 % of steps brought more than 5 % of its whole rise from the clean
-    image (``per_example["attack_improving"]``, :func:`jaxbundle.bundler.still_improving`).
+    image (``per_example["attack_improving"]``, :func:`jaxbundle.core.bundler.still_improving`).
 
 With ``certify`` (:mod:`jaxbundle.certify`, :func:`add_certified`):
 

@@ -20,7 +20,7 @@ evaluation does) and with BPDA (:func:`with_bpda`; the CLI's ``--bpda``). The de
 a :class:`Defended` value, callable as ``apply_fn(params, x)``; a preprocessing that draws
 randomness takes a key, ``preprocess(x, key)``, and the model is declared stochastic around it
 (``jaxbundle.stochastic(jaxbundle.defended(...))``): then EOT averages the BPDA gradients over
-its samples. The trustworthiness check ``preprocessing`` (:mod:`jaxbundle.checks`) reports
+its samples. The trustworthiness check ``preprocessing`` (:mod:`jaxbundle.run.checks`) reports
 which of the two an evaluation ran.
 """
 
@@ -80,7 +80,7 @@ class Defended:
     ``model(params, x) = classifier(params, preprocess(x))`` (with a key for a random
     preprocessing: ``model(params, x, key)``, ``preprocess(x, key)``). Frozen and hashable:
     equal declarations are equal values and share compiled programs; a checkpoint describes it
-    field by field (:func:`jaxbundle.checkpoint.describe`), so one made with ``bpda`` off is not
+    field by field (:func:`jaxbundle.run.checkpoint.describe`), so one made with ``bpda`` off is not
     resumed with it on. (A dataclass, not a ``NamedTuple``: JAX keeps weak references to the
     functions it traces, and tuples cannot have them.)
 

@@ -3,7 +3,7 @@
 A runner attacks one batch (:meth:`Runner.run`: its counts, per-example outputs and what each
 stage spent) and then says what its schedule adds to the figures (:meth:`Runner.figures`).
 ``full`` runs every attack on every example in one jitted program (the many-attack table);
-``cascade`` runs :func:`jaxbundle.schedule.cascade` (each attack on the survivors of the ones
+``cascade`` runs :func:`jaxbundle.run.cascade.cascade` (each attack on the survivors of the ones
 before, with the plan's focus, segments and budget) and summarises its result in a second
 program. The evaluation driver (:mod:`jaxbundle.evaluation`) picks one by the plan's ``mode``.
 """
@@ -60,7 +60,7 @@ class _Full:
 
 
 class _Cascade:
-    """Each attack on the survivors of the ones before (:func:`jaxbundle.schedule.cascade`)."""
+    """Each attack on the survivors of the ones before (:func:`jaxbundle.run.cascade.cascade`)."""
 
     def run(self, plan: Plan, model: Model, batch: Batch):
         eps = jnp.float32(plan.eps)

@@ -16,7 +16,7 @@ searches over ray directions ``d in {-1, +1}^D``; the radius of a direction is t
   best direction and a binary search refines its radius.
 
 Pixel grid. The image for radius level ``k`` is ``clip(x0 + k/255 d)``, rounded to the 8-bit
-grid where ``x0`` is on it (:func:`jaxbundle.norms.snap_to_grid`, as the bundle judges it): its
+grid where ``x0`` is on it (:func:`jaxbundle.core.norms.snap_to_grid`, as the bundle judges it): its
 Linf distortion is ``k/255`` (less where the box clips). Radii are therefore integer levels
 ``k in [0, 255]``, the check is at ``k_best - 1`` (the grid version of "strictly better than
 ``r_best``") and the binary search bisects levels until ``hi - lo = 1``: at most 8 queries
@@ -94,7 +94,7 @@ def ray_image(
     x0: jax.Array, d: jax.Array, k: jax.Array, grid: jax.Array | None = None
 ) -> jax.Array:
     """``clip(x0 + k/255 d)`` per example, rounded to the grid where ``x0`` is on it
-    (:func:`jaxbundle.norms.snap_to_grid`; ``grid``: the judging mask): the image at radius
+    (:func:`jaxbundle.core.norms.snap_to_grid`; ``grid``: the judging mask): the image at radius
     level ``k [B]``."""
     r = k.astype(x0.dtype) / LEVELS
     return norms.snap_to_grid(norms.project_box(x0 + norms.per_example(r, d) * d), x0, grid=grid)

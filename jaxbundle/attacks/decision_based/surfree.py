@@ -57,7 +57,7 @@ one pure function per phase for its move (``_after_search``, ``_after_extend``,
 ``_after_refine``, ``_after_noise``, ``_after_blend``), selected by phase with ``where``.
 
 Every query point is clipped to the box and, for an example judged on the 8-bit grid, rounded
-to it (:func:`jaxbundle.norms.snap_to_grid`) before the oracle sees it, so the image the
+to it (:func:`jaxbundle.core.norms.snap_to_grid`) before the oracle sees it, so the image the
 oracle labels is the one the bundle judges; ``x_b`` (``state.x``, the step's candidate) is
 always the closest such image the oracle has labelled wrong. The budget is exact and static:
 ``queries = restarts * (init_queries + num_steps * queries_per_step)``.

@@ -51,7 +51,7 @@ its random numbers from one PRNG call per example (cheaper to compile than one p
 Pixel grid: like the paper, the attack stops as soon as ``L < 0``, so its successes sit just
 past the decision boundary at ``|delta| = eps``, where the judge's rounding to the 8-bit grid
 could undo them. With ``grid=True`` (default) every queried point of an example judged on the
-grid is rounded first (:func:`jaxbundle.norms.snap_to_grid`), so the oracle labels exactly the
+grid is rounded first (:func:`jaxbundle.core.norms.snap_to_grid`), so the oracle labels exactly the
 image the bundle judges.
 """
 

@@ -25,7 +25,7 @@ __all__ = ["FGSMConfig", "FGSMState", "init", "step", "fgsm"]
 
 class FGSMConfig(NamedTuple):
     norm: str  # "linf" or "l2"
-    loss: str  # name in jaxbundle.losses.LOSSES
+    loss: str  # name in jaxbundle.core.losses.LOSSES
 
 
 class FGSMState(NamedTuple):
@@ -53,7 +53,7 @@ def fgsm(norm: str = "linf", loss: str = "ce", name: str | None = None) -> Attac
 
     Args:
       norm: ``"linf"`` or ``"l2"``.
-      loss: ``"ce"``, ``"margin"`` or ``"dlr"`` (see :mod:`jaxbundle.losses`).
+      loss: ``"ce"``, ``"margin"`` or ``"dlr"`` (see :mod:`jaxbundle.core.losses`).
       name: report name; default ``"fgsm"`` (plus the loss when it is not CE).
 
     Returns:

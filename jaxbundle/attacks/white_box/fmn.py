@@ -3,7 +3,7 @@ Adversarial Attacks through Adaptive Norm Constraints"), untargeted, Linf, L2 an
 
 A minimum-norm attack that runs projected gradient ascent inside an eps ball whose radius
 ``eps_k`` adapts per example. With the logit difference ``L = z_y - max_{j != y} z_j``
-(adversarial iff ``L < 0``; here ``margin = -L`` from :func:`jaxbundle.losses.margin`), step
+(adversarial iff ``L < 0``; here ``margin = -L`` from :func:`jaxbundle.core.losses.margin`), step
 ``k = 1..K`` (Algorithm 1) at ``x = x0 + delta``::
 
     g       = grad_delta margin(x0 + delta)                     (one gradient)
@@ -18,7 +18,7 @@ A minimum-norm attack that runs projected gradient ascent inside an eps ball who
 
 with cosine annealing ``h(v_0, v_K, k, K) = v_K + (v_0 - v_K) (1 + cos(k pi / K)) / 2`` and the
 dual norm ``||.||_*`` (L1 for Linf, L2 for L2, Linf for L1). The L1 projection is the exact
-Euclidean one (:func:`jaxbundle.norms.project_ball`). Every iterate is a candidate, so the
+Euclidean one (:func:`jaxbundle.core.norms.project_ball`). Every iterate is a candidate, so the
 bundler's min-norm goal keeps ``delta*`` itself; the state only needs its norm.
 
 Defaults: ``steps=100``, ``gamma_init=0.05``, ``gamma_final=0.001``,

@@ -26,7 +26,7 @@ __all__ = ["PGDConfig", "PGDState", "gradient_step", "init", "step", "pgd"]
 
 class PGDConfig(NamedTuple):
     norm: str  # "linf" or "l2"
-    loss: str  # name in jaxbundle.losses.LOSSES
+    loss: str  # name in jaxbundle.core.losses.LOSSES
     num_steps: int
     step_size: float | None  # absolute step; None: 2.5 * eps / num_steps
     random_start: bool
