@@ -415,11 +415,13 @@ def test_progress_on_a_log_is_plain_lines_at_a_modest_rate():
 
     from rich.console import Console
 
+    from jaxbundle.run import progress
+
     now = [0.0]
     buf = io.StringIO()
     log = Console(file=buf, width=100)
     assert not log.is_terminal
-    lines = job._Lines(log, interval=30.0, clock=lambda: now[0])
+    lines = progress.Lines(log, interval=30.0, clock=lambda: now[0])
     task = lines.add_task("m: train or load")
     for step in range(1, 101):  # 100 steps, one per second
         now[0] = float(step)
@@ -432,7 +434,7 @@ def test_progress_on_a_log_is_plain_lines_at_a_modest_rate():
                        "[     60 s] m: train or load 60/100", "[     90 s] m: train or load 90/100",
                        "[    100 s] m: train or load 100/100",
                        "[    101 s] m: natural shifts 100/100"]
-    assert isinstance(job._progress(log, True), job._Lines)
-    assert not isinstance(job._progress(Console(file=io.StringIO(), force_terminal=True), True),
-                          job._Lines)
-    assert not isinstance(job._progress(log, False), job._Lines)  # --no-progress: nothing
+    assert isinstance(progress.progress(log, True), progress.Lines)
+    assert not isinstance(
+        progress.progress(Console(file=io.StringIO(), force_terminal=True), True), progress.Lines)
+    assert not isinstance(progress.progress(log, False), progress.Lines)  # --no-progress

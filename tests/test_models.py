@@ -273,16 +273,19 @@ def test_the_shipped_weights_are_the_demo_models_of_this_code(tmp_path, monkeypa
 @pytest.mark.slow
 def test_training_reproduces_the_shipped_standard_model(tmp_path):
     """The training code makes the shipped weights: the standard demo model trained afresh
-    classifies the embedded test images as the shipped one does (bit for bit on the machine
-    that trained them; another CPU's float32 sums may move a few images)."""
+    classifies the embedded test images as the shipped one does."""
     config = models.MODELS["standard"]
     apply_fn, fresh = models.load_or_train(config, cache_dir=tmp_path, shipped=False)
     _, shipped = models.load_or_train(config, cache_dir=tmp_path / "empty")
     test = data.load_mnist_sample("test", n=2000)
     a = np.argmax(np.asarray(apply_fn(fresh, test.x)), 1)
     b = np.argmax(np.asarray(apply_fn(shipped, test.x)), 1)
-    assert np.mean(a == b) >= 0.99
-    assert abs(np.mean(a == test.y) - np.mean(b == test.y)) <= 0.005
+    # Here the two are the same bits; another CPU's float32 sums can send 8 epochs of SGD
+    # elsewhere (the adversarial model moved 0.1 point of clean accuracy from one machine to
+    # another), so the test asks for the same model's predictions and accuracy, not the same
+    # bits (a broken or missing training agrees on far fewer images).
+    assert np.mean(a == b) >= 0.97
+    assert abs(np.mean(a == test.y) - np.mean(b == test.y)) <= 0.01
 
 
 def test_default_cache_dir(monkeypatch, tmp_path):
