@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 from typing import Sequence
 
@@ -381,7 +380,7 @@ def _list_attacks(console: Console) -> None:
     for record in ATTACKS.values():
         made = record.made()
         t.add_row(record.name, ", ".join(record.norms), made.kind, made.goal, _budget(made),
-                  re.match(r".*?\d{4}", record.paper).group(0))
+                  record.citation)
     console.print(t)
     b = Table(title="bundles (--bundle)")
     for column in ("name", "linf", "l2"):

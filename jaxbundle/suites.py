@@ -12,6 +12,7 @@ bundles of these attacks, with their schedules, are plans: :mod:`jaxbundle.bundl
 from __future__ import annotations
 
 import functools
+import re
 from typing import Any, Callable, NamedTuple
 
 from jaxbundle import attacks as attacks_lib
@@ -61,6 +62,11 @@ class NamedAttack(NamedTuple):
     @property
     def paper(self) -> str:
         return PAPERS[self.family]
+
+    @property
+    def citation(self) -> str:
+        """The paper's authors and year (``Croce & Hein 2020``)."""
+        return self.paper[:re.search(r"\d{4}", self.paper).end()]
 
     @property
     def queries(self) -> bool:

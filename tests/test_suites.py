@@ -16,6 +16,7 @@ def test_every_named_attack_builds_exactly_for_the_norms_its_record_lists(name):
     it too or has no norm argument and builds its own norm."""
     record = suites.ATTACKS[name]
     assert record.name == name and record.paper and record.family in suites.PAPERS
+    assert record.paper.startswith(record.citation) and record.citation[-4:].isdigit()
     assert set(record.options) <= set(suites.OPTIONS)
     kinds = set()
     for norm in ("linf", "l2", "l1"):
