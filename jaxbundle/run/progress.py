@@ -54,6 +54,8 @@ class Lines(contextlib.AbstractContextManager):
                            ("description", description)):
             if value is not None:
                 t[key] = value
+        if changed and completed is None and total is None:  # a new phase: no count of its own
+            t["total"], t["completed"] = None, 0
         done = t["total"] is not None and t["completed"] >= t["total"]
         due = self._clock() - t["printed"] >= self._interval
         if (changed or done or due) and t["shown"] != (t["description"], t["completed"]):
