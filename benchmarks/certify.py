@@ -28,7 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from harness import machine_facts, parse_run_args, results_path, write_results
+from harness import (machine_facts, median_seconds, parse_run_args, results_path,
+                     write_results)
 
 import jaxbundle
 from jaxbundle import bundles, models
@@ -67,16 +68,6 @@ def sandwich(name: str, apply_fn, params, x, y, eps: float, methods: tuple[str, 
     return out
 
 
-def _median_seconds(fn, repeats: int) -> float:
-    jax.block_until_ready(fn())  # compile
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
-
 def cost(n: int, repeats: int) -> dict:
     """Margin bounds of the two robust demo SmallCNNs against PGD-10's forward+backward floor
     on the same model and images, and CROWN with every neuron refined, in the same run."""
@@ -94,7 +85,7 @@ def cost(n: int, repeats: int) -> dict:
                 v = jnp.clip(v + 0.01 * jnp.sign(gradient(params, v)), 0, 1)
             return v
 
-        record = out[name] = {"pgd10_floor_seconds": _median_seconds(floor, repeats)}
+        record = out[name] = {"pgd10_floor_seconds": median_seconds(floor, repeats)}
         # "crown-every-neuron": CROWN's bounds on every hidden neuron, not only on those IBP
         # leaves unstable (crown.refinement's sparse=False), traced with a fresh apply_fn.
         variants = [(m, m, True) for m in bounds.METHODS] + [("crown-every-neuron", "crown",
@@ -105,7 +96,7 @@ def cost(n: int, repeats: int) -> dict:
             fn = jax.jit(lambda p, v, t, m=method, f=functools.partial(apply_fn):
                          bounds.margin_bounds(f, p, v, t, eps=0.3, method=m))
             try:
-                seconds = _median_seconds(lambda f=fn: f(params, x, y), repeats)
+                seconds = median_seconds(lambda f=fn: f(params, x, y), repeats)
                 certified = int(np.sum(np.min(np.asarray(fn(params, x, y)), axis=1) > 0))
             finally:
                 crown.refinement = refinement

@@ -27,13 +27,12 @@ import argparse
 import functools
 import pathlib
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from harness import machine_facts, parse_run_args, write_results
+from harness import machine_facts, median_seconds, parse_run_args, write_results
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "heldout"))
@@ -51,15 +50,6 @@ HELD_OUT = {"cnn-pgd-0.3": (0.1, bounds.METHODS), "mlp-pgd": (0.05, ("crown-ibp"
 FRACTIONS = 2.0 ** -np.arange(2, 34)
 
 
-def _seconds(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return float(np.median(times))
-
-
 def cost(name: str, apply_fn, params, x, y, eps: float, methods, repeats: int) -> dict:
     """Certified counts, widening and seconds of the shipped bound and the papers' formulas."""
     out = {"n": int(len(y)), "eps": eps, "methods": {}}
@@ -70,8 +60,8 @@ def cost(name: str, apply_fn, params, x, y, eps: float, methods, repeats: int) -
         for label, rounding in (("sound", True), ("papers", False)):
             fn = functools.partial(bounds.margin_bounds, functools.partial(apply_fn), params, x,
                                    y, eps=eps, method=method, rounding=rounding)
-            bound[label] = np.asarray(fn())  # compiles
-            record[f"{label}_seconds"] = _seconds(fn, repeats)
+            record[f"{label}_seconds"] = median_seconds(fn, repeats)
+            bound[label] = np.asarray(fn())
             record[f"{label}_certified"] = int(np.sum(np.min(bound[label], axis=1) > 0))
         finite = np.isfinite(bound["papers"])
         widening = (bound["papers"][finite] - bound["sound"][finite]) / (

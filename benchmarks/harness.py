@@ -132,6 +132,18 @@ def medians(res: dict[str, Any]) -> dict[str, float]:
     return {k: v["median_s"] for k, v in res.items() if not k.startswith("_")}
 
 
+def median_seconds(fn: Callable[[], Any], repeats: int) -> float:
+    """The median wall-clock seconds of ``repeats`` warm calls of ``fn`` (one call first, to
+    compile), each waited for (``jax.block_until_ready``)."""
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return float(np.median(times))
+
+
 def make_floors(apply_fn, params, x, y, steps: int) -> dict[str, Callable[[], Any]]:
     """``steps`` forward+backward passes of the summed cross-entropy w.r.t. ``x``, four ways:
     40 independent jitted calls (``floor_a_async``), chained calls (``floor_a_chain``), one
