@@ -350,8 +350,7 @@ def _activation(graph, state, index, pair, owners, shared):
             # products round, and a sum rounds only where it adds a nonzero term: gamma of
             # their count (each example's own).
             unstable = (lower < 0) & (upper > 0)
-            count = jnp.sum(unstable).astype(jnp.float32)
-            factor = rounds.UNIT + count * rounds.UNIT / (1.0 - count * rounds.UNIT)
+            factor = rounds.UNIT + rounds.gamma(jnp.sum(unstable).astype(jnp.float32))
             value = jnp.where(unstable, reach, 0.0) * factor + jnp.where(upper > 0, chain, 0.0)
         else:  # |a routed value| <= its window's largest
             reach, chain = equation.apply(reach)[0], equation.apply(chain)[0]

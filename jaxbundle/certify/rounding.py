@@ -48,9 +48,10 @@ TINY = 2.0**-100  # added to every magnitude: a flushed input's weight, 2^-26 of
 FLOOR = 2.0**-120  # absolute allowance per term: a flushed output
 
 
-def gamma(n: int) -> float:
-    """``gamma_n = n u / (1 - n u)``: a sum of ``n`` terms' relative error bound."""
-    if n * UNIT >= 0.5:
+def gamma(n: int | jax.Array) -> float | jax.Array:
+    """``gamma_n = n u / (1 - n u)``: a sum of ``n`` terms' relative error bound. ``n`` may be
+    traced (a count per example, at most an array's size: the check is the caller's)."""
+    if not isinstance(n, jax.Array) and n * UNIT >= 0.5:
         raise ValueError(f"a float32 sum of {n} terms has no useful rounding bound")
     return n * UNIT / (1.0 - n * UNIT)
 
