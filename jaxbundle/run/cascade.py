@@ -88,7 +88,7 @@ from jaxbundle.core.bundler import BestState, BundleResult, fold, glue_jit
 from jaxbundle.plan import Plan
 
 __all__ = [
-    "PROBE_GAIN", "Batch", "Model", "Stage", "bucket_sizes", "cascade", "escalates",
+    "PROBE_GAIN", "Batch", "Model", "Stage", "bucket_sizes", "cascade", "escalates", "rules_of",
     "probe_steps", "promise", "satisfied",
 ]
 
@@ -118,6 +118,13 @@ class Batch(NamedTuple):
     example_id: jax.Array
     mask: jax.Array | None  # [B] device bool, False on padding rows (the summary's)
     real: np.ndarray
+
+
+def rules_of(plan: Plan, model: Model) -> bundler.Rules:
+    """The bundler's static rules of the plan's run on the model (the full runner's and every
+    stage of a cascade's)."""
+    return bundler.Rules(model.apply_fn, model.goal_names, plan.norm, plan.judging,
+                         plan.restart_mode, plan.unroll)
 
 
 class Stage(NamedTuple):
@@ -515,8 +522,7 @@ def cascade(plan: Plan, model: Model, batch: Batch,
     n = int(y.shape[0])
     real = np.ones(n, bool) if batch.real is None else np.asarray(batch.real, bool)
     eps = jnp.broadcast_to(jnp.asarray(eps, jnp.float32), y.shape)
-    rules = bundler.Rules(model.apply_fn, model.goal_names, plan.norm, plan.judging,
-                          plan.restart_mode, plan.unroll)
+    rules = rules_of(plan, model)
     best, clean, eps_aimed, grid = _start(params, x, y, key, example_id, eps, rules=rules)
     multiple = 1 if mesh is None else mesh.devices.size
     b = _Batch(plan, rules, params, x, y, key, example_id, eps, eps_aimed,

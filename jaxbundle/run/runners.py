@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxbundle.run import checks as checks_lib
 from jaxbundle.run import cascade as schedule_lib
-from jaxbundle.core.bundler import Rules, glue_jit, held_out, run
+from jaxbundle.core.bundler import glue_jit, held_out, run
 from jaxbundle.core.canonical import fast_gradients
 from jaxbundle.report.metrics import Counts, Setting
 from jaxbundle.report.outputs import per_example_arrays
@@ -47,11 +47,10 @@ class _Full:
     """Every attack on every example, the bundle and its summary in one program."""
 
     def run(self, plan: Plan, model: Model, batch: Batch):
-        rules = Rules(model.apply_fn, model.goal_names, plan.norm, plan.judging,
-                      plan.restart_mode, plan.unroll)
         counts, outputs = _evaluate_batch(
             model.params, batch.x, batch.y, model.key, batch.example_id, batch.mask,
-            jnp.float32(plan.eps), rules=rules, attacks=model.attacks, mesh=model.mesh)
+            jnp.float32(plan.eps), rules=schedule_lib.rules_of(plan, model),
+            attacks=model.attacks, mesh=model.mesh)
         return counts, outputs, np.zeros((len(model.attacks), STAGE_COLUMNS), np.int64)
 
     def figures(self, plan: Plan, metrics: dict, per_example: dict, attacks, stages) -> dict:
