@@ -19,19 +19,7 @@ import importlib.abc
 import importlib.util
 import sys
 
-# Where each module that sat at the top of the package before the layer folders lives now.
-MOVED = {
-    **{f"jaxbundle.{m}": f"jaxbundle.core.{m}" for m in (
-        "arithmetic", "bundler", "canonical", "goals", "judge", "losses", "norms", "sampling",
-        "validation")},
-    **{f"jaxbundle.{m}": f"jaxbundle.run.{m}" for m in (
-        "adapters", "checkpoint", "checks", "defences", "files", "memory", "runners")},
-    "jaxbundle.schedule": "jaxbundle.run.cascade",
-    **{f"jaxbundle.{m}": f"jaxbundle.report.{m}" for m in (
-        "compare", "curves", "formatting", "metrics", "outputs", "plots", "schema")},
-    **{f"jaxbundle.{m}": f"jaxbundle.studies.{m}" for m in (
-        "best_effort", "shifts", "transfer")},
-}
+from jaxbundle.core.moved import MOVED
 
 
 class _Moved(importlib.abc.MetaPathFinder, importlib.abc.Loader):

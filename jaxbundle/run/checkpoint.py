@@ -12,12 +12,12 @@ import functools
 import hashlib
 import json
 import os
-import re
 from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
+from jaxbundle.core import moved
 from jaxbundle.run import files as files_lib
 from jaxbundle.report.metrics import Counts
 
@@ -38,7 +38,7 @@ def describe(value: Any) -> Any:
                     "keywords": plain(value.keywords)}
         if callable(value) and not hasattr(value, "_asdict"):
             owner = value if hasattr(value, "__qualname__") else type(value)
-            return f"{_earlier_path(owner.__module__)}.{owner.__qualname__}"
+            return f"{moved.earlier(owner.__module__)}.{owner.__qualname__}"
         if hasattr(value, "_asdict"):
             return {type(value).__name__: {k: plain(v) for k, v in value._asdict().items()}}
         if isinstance(value, (tuple, list)):
@@ -50,18 +50,6 @@ def describe(value: Any) -> Any:
         return repr(value)
 
     return plain(value)
-
-
-# A module's path before the package's layer folders (jaxbundle.MOVED): a run's identity names
-# functions by it, so that a checkpoint written before the move still resumes.
-_RENAMED = {"jaxbundle.run.cascade": "jaxbundle.schedule", "jaxbundle.report.writers":
-            "jaxbundle.report"}
-
-
-def _earlier_path(module: str) -> str:
-    if module in _RENAMED:
-        return _RENAMED[module]
-    return re.sub(r"^jaxbundle\.(core|run|report|studies)\.", "jaxbundle.", module)
 
 
 def params_digest(params: Any) -> str:
