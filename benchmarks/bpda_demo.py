@@ -76,10 +76,10 @@ def main(argv=None) -> None:
     naive = defence.wrap(base)
     ds = load_mnist_sample("test", n=args.n)
     x, y = np.asarray(ds.x, np.float32), np.asarray(ds.y)
-    plan = jaxbundle.Plan(eps=args.eps, attacks=ATTACKS, batch_size=128)
+    plan = jaxbundle.Plan.of(eps=args.eps, attacks=ATTACKS, batch_size=128)
     results = {
         "setting": {"n": args.n, "eps": args.eps, "norm": "linf", "defence": defence._asdict(),
-                    "attacks": [a._asdict() for a in ATTACKS], "mode": plan.mode},
+                    "attacks": [a._asdict() for a in ATTACKS], "mode": plan.schedule.mode},
         "machine": machine_facts(),
         "models": {},
     }

@@ -33,11 +33,11 @@ from jaxbundle import AttackSpec, bundles, data, models
 def run_variant(variant: dict, apply_fn, params, x, y, eps, robust_aa, aa) -> dict:
     """Registers ``variant`` as a named bundle, runs it counted, compares it with AutoAttack."""
     name = f"variant-{variant['name']}"
+    schedule = (bundles.Cascade(focus=variant.get("focus", {}),
+                                segments=variant.get("segments", 1))
+                if variant.get("schedule", "cascade") == "cascade" else bundles.Full())
     bundles.BUNDLES[name] = bundles.Bundle(
-        tuple((AttackSpec(a, **o), None) for a, o in variant["bundle"]),
-        variant.get("schedule", "cascade"), tuple(variant.get("focus", {}).items()),
-        variant.get("segments", 1),
-    )
+        tuple((AttackSpec(a, **o), None) for a, o in variant["bundle"]), schedule)
     counts = {"forward": 0, "backward": 0}
     start = time.perf_counter()
     robust, result = run_jaxbundle(counting(apply_fn, counts), params, x, y, eps, name)

@@ -67,7 +67,7 @@ def attacks(batch: int, steps: int, repeats: int) -> list[dict]:
     runs, gradients = {}, {}
     for norm, eps in (("linf", 8 / 255), ("l2", 0.5)):
         for spec in (AttackSpec("apgd-t", steps=steps), AttackSpec("fab-t", steps=steps)):
-            plan = jaxbundle.Plan(eps=eps, norm=norm, attacks=(spec,), goals=("misclassify",),
+            plan = jaxbundle.Plan.of(eps=eps, norm=norm, attacks=(spec,), goals=("misclassify",),
                                   batch_size=batch)
 
             def run(plan=plan):

@@ -74,7 +74,7 @@ def main(argv=None) -> None:
         results[f"quantize {norm}"] = {k: v * 1e3 for k, v in medians(res).items()}
         module = _ColourCNN()
         params = module.init(jax.random.key(1), x0[:1])
-        plan = jaxbundle.Plan(eps=eps, norm=norm, goals=("misclassify",), batch_size=args.batch,
+        plan = jaxbundle.Plan.of(eps=eps, norm=norm, goals=("misclassify",), batch_size=args.batch,
                               attacks=(AttackSpec("square-aa", queries=args.queries),))
         variants = {}
         for label, grid_value in (("table", _table), ("computed", _COMPUTED)):

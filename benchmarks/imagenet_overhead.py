@@ -105,7 +105,7 @@ def bench(n: int, steps: int, repeats: int) -> dict:
         [attack], apply_fn, params, x, y, key, eps=EPS, goals=("misclassify",)
     ).best["misclassify"].x
     for name, goals in (("evaluate_misclassify", ("misclassify",)), ("evaluate_goals", None)):
-        plan = Plan(eps=EPS, attacks=(attack,), batch_size=n,
+        plan = Plan.of(eps=EPS, attacks=(attack,), batch_size=n,
                     **({} if goals is None else {"goals": goals}))
         variants[name] = (lambda plan=plan: evaluate(
             apply_fn, params, (x, y), plan, mesh=None, keep_images=False,
@@ -141,7 +141,7 @@ def _bundle_bytes(attack, plan, apply_fn, params, goals, batch: int) -> int:
     m = bundler.run.lower(
         params, shape(jnp.float32, 224, 224, 3), shape(jnp.int32), jax.random.key(0),
         shape(jnp.int32), shape(jnp.float32), attacks=(attack,),
-        rules=bundler.Rules(apply_fn, goals, plan.norm, "auto", plan.restart_mode, 1),
+        rules=bundler.Rules(apply_fn, goals, plan.threat.norm, "auto", plan.run.restart_mode, 1),
     ).compile().memory_analysis()
     return int(m.temp_size_in_bytes + m.output_size_in_bytes)
 
@@ -158,14 +158,14 @@ def memory(norm: str, mode: str) -> dict:
     goals = bundler.goals_for(plan.goal_names, attacks)
     rows = {}
     for a in attacks:
-        one = a._replace(num_restarts=1) if plan.restart_mode == "cascade" else a
+        one = a._replace(num_restarts=1) if plan.run.restart_mode == "cascade" else a
         small, large = (_bundle_bytes(one, plan, fn, params, goals, b) for b in (2, 4))
-        rule, _ = memory_lib.per_example_bytes([one], plan.restart_mode, fn, params,
+        rule, _ = memory_lib.per_example_bytes([one], plan.run.restart_mode, fn, params,
                                                (224, 224, 3))
         rows[a.name] = {"compiled_mb_per_example": (large - small) / 2 / 2**20,
                         "rule_mb_per_example": rule / 2**20}
         print(f"  {norm} {mode} {a.name}: {rows[a.name]}", flush=True)
-    size = memory_lib.auto_batch_size(attacks, plan.restart_mode, fn, params, (224, 224, 3))
+    size = memory_lib.auto_batch_size(attacks, plan.run.restart_mode, fn, params, (224, 224, 3))
     return {"norm": norm, "eps": eps, "mode": mode, "attacks": rows,
             "free_gb": memory_lib.free_bytes() / 2**30, "auto_batch_size": size}
 

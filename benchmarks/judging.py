@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             out, success = {}, {}
             for run, e in runs.items():
                 start = time.perf_counter()
-                plan = Plan(eps=e, norm=norm, attacks=bundle, goals=("misclassify",),
+                plan = Plan.of(eps=e, norm=norm, attacks=bundle, goals=("misclassify",),
                             judging=run.split("@")[0], batch_size=128)
                 ev = evaluate(apply_fn, params, (x, y), plan)
                 out[run], success[run] = ev.metrics, ev.per_example["success"]

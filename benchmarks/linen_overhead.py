@@ -73,7 +73,7 @@ def bench(n: int, steps: int, repeats: int) -> dict:
     variants["before_bundle"] = call(hidden)
     variants["before_bundle_unroll=True"] = call(hidden, unroll=True)
     xn, yn = np.asarray(x), np.asarray(y)
-    plan = Plan(eps=EPS, attacks=(attack,), goals=("misclassify",), batch_size=n)
+    plan = Plan.of(eps=EPS, attacks=(attack,), goals=("misclassify",), batch_size=n)
     variants["evaluate"] = lambda: evaluate(
         apply_fn, params, (xn, yn), plan, keep_images=False,
     ).metrics["robust_accuracy"]

@@ -93,15 +93,15 @@ def xla_memory(params, plan) -> dict | None:
 
     from jaxbundle import runners
 
-    batch_size = plan.batch_size
+    batch_size = plan.run.batch_size
     try:
         b = jax.ShapeDtypeStruct((batch_size,), jnp.int32)
         compiled = runners._evaluate_batch.lower(
             params, jax.ShapeDtypeStruct((batch_size, H, W, C), jnp.float32), b,
             jax.random.key(0), b, jax.ShapeDtypeStruct((batch_size,), jnp.bool_),
             jnp.float32(0.0), apply_fn=apply_fn, attacks=plan.attack_values(),
-            goal_names=plan.goal_names, norm=plan.norm, judging=plan.judging,
-            unroll=plan.unroll, restart_mode=plan.restart_mode, mesh=None,
+            goal_names=plan.goal_names, norm=plan.threat.norm, judging=plan.threat.judging,
+            unroll=plan.run.unroll, restart_mode=plan.run.restart_mode, mesh=None,
         ).compile()
         m = compiled.memory_analysis()
         return {k: getattr(m, f"{k}_size_in_bytes") / MB for k in ("argument", "output", "temp")}
@@ -160,7 +160,7 @@ def run_one(args: argparse.Namespace, variant: str) -> dict:
     from jaxbundle import Plan, evaluate
 
     params = model_params()
-    plan = Plan(eps=args.eps, norm="linf", attacks=tuple(args.attacks), steps=args.steps,
+    plan = Plan.of(eps=args.eps, norm="linf", attacks=tuple(args.attacks), steps=args.steps,
                 batch_size=args.batch_size)
     source = GeneratedSource(args.n)
     rec = Recorder(variant)

@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     }
     rows = {}
     start = time.perf_counter()
-    plan = Plan(eps=EPS, attacks=(apgd,), goals=("misclassify",), batch_size=100)
+    plan = Plan.of(eps=EPS, attacks=(apgd,), goals=("misclassify",), batch_size=100)
     ref = evaluate(base, params, (x, y), plan)
     rows["deterministic CNN (no defence)"] = dict(
         clean_accuracy=ref.metrics["clean_accuracy"],

@@ -50,10 +50,12 @@ from jaxbundle.core import goals, losses, norms  # noqa: E402
 from jaxbundle.core.bundler import BestState, BundleResult, bundle  # noqa: E402
 from jaxbundle.core.sampling import Stochastic, stochastic, with_eot  # noqa: E402
 from jaxbundle.evaluation import Evaluation, evaluate  # noqa: E402
-from jaxbundle.plan import AttackSpec, Plan  # noqa: E402
+from jaxbundle.plan import (AttackSpec, Cascade, Certify, Full, Plan, Run, Sampling,  # noqa: E402
+                            Suite, Threat)
 from jaxbundle.run.defences import Defended, bpda, defended, with_bpda  # noqa: E402
 
-__all__ = ["AttackSpec", "BestState", "BundleResult", "Defended", "Evaluation", "Plan",
-           "Stochastic", "attacks", "bpda", "bundle", "bundles", "certify", "defended",
-           "evaluate", "goals", "losses", "norms", "stochastic", "with_bpda", "with_eot"]
+__all__ = ["AttackSpec", "BestState", "BundleResult", "Cascade", "Certify", "Defended",
+           "Evaluation", "Full", "Plan", "Run", "Sampling", "Stochastic", "Suite", "Threat",
+           "attacks", "bpda", "bundle", "bundles", "certify", "defended", "evaluate", "goals",
+           "losses", "norms", "stochastic", "with_bpda", "with_eot"]
 __version__ = "0.1.0"

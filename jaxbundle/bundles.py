@@ -55,12 +55,13 @@ plan ``plan(NAME, norm, eps)`` with the flags given applied to it (``--schedule 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 from jaxbundle.core import norms
 from jaxbundle import suites
 from jaxbundle.attacks.base import Attack
-from jaxbundle.plan import AttackSpec, Plan
+from jaxbundle.plan import AttackSpec, Cascade, Full, Plan, Run, Suite, Threat
 
 __all__ = ["BUNDLES", "Bundle", "autoattack", "black_box", "broad", "bundle_attacks", "default",
            "fast", "min_norm", "pgd", "plan", "standard"]
@@ -68,17 +69,13 @@ __all__ = ["BUNDLES", "Bundle", "autoattack", "black_box", "broad", "bundle_atta
 
 class Bundle(NamedTuple):
     """A named bundle: its attacks (each with the norms the bundle runs it in, None: every
-    norm the attack works in, :data:`jaxbundle.suites.ATTACKS`) and the schedule it runs
-    under."""
+    norm the attack works in, :data:`jaxbundle.suites.ATTACKS`), the schedule it runs under
+    and how a stage runs an attack's restarts (``"cascade"``: in a cascade, each restart on what
+    the others left)."""
 
     attacks: tuple[tuple[AttackSpec, tuple[str, ...] | None], ...]
-    mode: str = "full"
-    focus: tuple[tuple[str, float], ...] = ()
-    segments: int = 1
-    probe: tuple[tuple[str, float], ...] = ()
-    escalate: tuple[tuple[str, float], ...] = ()
-    restart_mode: str = "vmap"  # "cascade": in a cascade, each restart on what the others left
-    buckets: int = 2  # compacted batch sizes per halving of the batch (a cascade's)
+    schedule: Full | Cascade = Full()
+    restart_mode: str = "vmap"
 
 
 def _a(name: str, only: tuple[str, ...] | None = None, **budget: int):
@@ -93,8 +90,8 @@ BUNDLES: dict[str, Bundle] = {
         (_a("apgd-ce", steps=20), _a("apgd-ce-long", steps=100), _a("apgd-t5", steps=40),
          _a("fab-t3", ("l2",), steps=50), _a("fab-t", ("l2",), steps=100),
          _a("square-aa", queries=5000)),
-        mode="cascade", focus=(("apgd-ce-long", 0.5), ("apgd-t5", 0.5), ("square-aa", 0.06)),
-        segments=6, probe=(("square-aa", 0.05),), escalate=(("fab-t", 0.05),),
+        Cascade(focus=(("apgd-ce-long", 0.5), ("apgd-t5", 0.5), ("square-aa", 0.06)),
+                segments=6, probe=(("square-aa", 0.05),), escalate=(("fab-t", 0.05),)),
     ),
     "broad": Bundle((
         _a("fgsm"), _a("pgd-ce", restarts=3), _a("pgd-margin", restarts=3), _a("fmn"),
@@ -102,7 +99,7 @@ BUNDLES: dict[str, Bundle] = {
     )),
     "autoattack": Bundle(
         (_a("apgd-ce"), _a("apgd-t"), _a("fab-t"), _a("square-aa", queries=5000)),
-        mode="cascade", restart_mode="cascade", buckets=8,
+        Cascade(buckets=8), restart_mode="cascade",
     ),
     "black-box": Bundle((_a("square"), _a("rays"), _a("surfree"))),
     "min-norm": Bundle((_a("fmn"), _a("bp-variant"), _a("cw-l2-light"), _a("deepfool"))),
@@ -123,13 +120,17 @@ def plan(name: str, norm: str = "linf", eps: float | None = None, **fields: Any)
     # Run in full, a cascade bundle keeps none of its own cascade settings (focus, probe,
     # escalate, segments, buckets, cascade of restarts): every attack, restarts at once, on
     # every example. Settings of an attack the norm leaves out go with it.
-    own = b if fields.get("mode", b.mode) == "cascade" else Bundle(b.attacks)
-    names = {spec.name for spec in attacks}
-    kept = lambda pairs: tuple((n, v) for n, v in pairs if n in names)  # noqa: E731
-    base = Plan(eps=eps, norm=norm, attacks=attacks, bundle=name, mode=b.mode,
-                focus=kept(own.focus), probe=kept(own.probe), escalate=kept(own.escalate),
-                segments=own.segments, restart_mode=own.restart_mode, buckets=own.buckets)
-    return base.replace(**fields).check()
+    mode = fields.pop("mode", b.schedule.mode)
+    schedule, restart_mode = Full(), "vmap"
+    if mode == "cascade":
+        own = b.schedule if isinstance(b.schedule, Cascade) else Cascade()
+        names = {spec.name for spec in attacks}
+        kept = {f: tuple((n, v) for n, v in getattr(own, f) if n in names)
+                for f in ("focus", "probe", "escalate")}
+        schedule, restart_mode = dataclasses.replace(own, **kept), b.restart_mode
+    base = Plan(Threat(eps, norm), Suite(attacks, bundle=name), schedule,
+                Run(restart_mode=restart_mode))
+    return base.replace(mode=mode, **fields).check()
 
 
 def bundle_attacks(name: str, norm: str = "linf", **overrides: Any) -> tuple[Attack, ...]:

@@ -45,14 +45,12 @@ def build_plan(args: argparse.Namespace, norm: str, eps: float) -> Plan:
         ("certify", certify_for(args.certify, args.models is None and not args.model)),
         ("certify_time_limit", args.certify_time_limit)) if v is not None}
     mode = {} if args.schedule is None else {"mode": args.schedule}
-    base = (Plan(eps=eps, norm=norm, attacks=tuple(args.attacks), **mode) if args.attacks
+    base = (Plan.of(eps, tuple(args.attacks), norm=norm, **mode) if args.attacks
             else bundles.plan(args.bundle, norm, eps, **mode))
-    if args.focus:
-        fields["focus"] = tuple({**base.focus_map, **dict(args.focus)}.items())
-    if args.probe:
-        fields["probe"] = tuple({**base.probe_map, **dict(args.probe)}.items())
-    if args.escalate:
-        fields["escalate"] = tuple({**base.escalate_map, **dict(args.escalate)}.items())
+    own = base.schedule.describe()  # the bundle's focus, probe and escalate, if any
+    for field in ("focus", "probe", "escalate"):
+        if getattr(args, field):
+            fields[field] = tuple({**own[field], **dict(getattr(args, field))}.items())
     return base.replace(**fields).check()
 
 

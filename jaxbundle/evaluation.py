@@ -43,7 +43,7 @@ from jaxbundle.run.checkpoint import load_images  # noqa: F401  (the images a ru
 from jaxbundle.report.metrics import Counts, Setting
 from jaxbundle.report.outputs import curve_metrics, kind_distortions, stochastic_metrics
 from jaxbundle.plan import Plan
-from jaxbundle.core.validation import check_inputs, goals_for, model_dtypes
+from jaxbundle.core.validation import check_inputs, model_dtypes
 
 __all__ = ["Evaluation", "default_mesh", "evaluate", "for_model", "load_images"]
 
@@ -82,14 +82,15 @@ def for_model(plan: Plan, apply_fn: Callable) -> tuple[Callable, tuple]:
     attacks = plan.attack_values()
     if not sampling.is_stochastic(apply_fn):
         return apply_fn, attacks
+    options = plan.sampling
     model = sampling.stochastic(
         apply_fn.apply_fn,
-        calls=apply_fn.calls if plan.judge_calls is None else plan.judge_calls,
-        threshold=apply_fn.threshold if plan.success_threshold is None
-        else plan.success_threshold,
+        calls=apply_fn.calls if options.judge_calls is None else options.judge_calls,
+        threshold=apply_fn.threshold if options.success_threshold is None
+        else options.success_threshold,
     )
     # The plan's EOT for every attack that does not carry its own (jaxbundle.with_eot).
-    return model, tuple(a._replace(eot=plan.eot) if a.eot == 1 else a for a in attacks)
+    return model, tuple(a._replace(eot=options.eot) if a.eot == 1 else a for a in attacks)
 
 
 def _as_source(data: Any, plan: Plan, apply_fn: Callable, params: Any) -> data_lib.Source:
@@ -102,7 +103,7 @@ def _as_source(data: Any, plan: Plan, apply_fn: Callable, params: Any) -> data_l
         x, y = np.asarray(data[0]), np.asarray(data[1])
         if x.ndim == 0 or int(x.shape[0]) == 0:
             raise ValueError("the dataset is empty")
-        check_inputs(apply_fn, params, x, y, plan.eps, judging=plan.judging)
+        check_inputs(apply_fn, params, x, y, plan.threat.eps, judging=plan.threat.judging)
         return data_lib.ArraySource(x, y)
     if isinstance(data, data_lib.Source):
         return data
@@ -181,15 +182,16 @@ def _start(apply_fn, params, source, plan, mesh) -> _Run:
         mesh = default_mesh()
     sharding = None
     devices = 1 if mesh is None else mesh.devices.size
-    if plan.batch_size % devices:
-        raise ValueError(f"batch_size {plan.batch_size} must be a multiple of {devices} devices")
-    plan = plan.replace(batch_size=balanced_batch(plan.batch_size, len(source), devices))
+    if plan.run.batch_size % devices:
+        raise ValueError(f"batch_size {plan.run.batch_size} must be a multiple of {devices} "
+                         "devices")
+    plan = plan.replace(batch_size=balanced_batch(plan.run.batch_size, len(source), devices))
     if mesh is not None:
         sharding = NamedSharding(mesh, PartitionSpec("batch"))
-        _local_rows_match(sharding, plan.batch_size, source.shape)
+        _local_rows_match(sharding, plan.run.batch_size, source.shape)
         params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
-    model = runners.Model(apply_fn, params, attacks, goals_for(plan.goals, attacks),
-                          jax.random.key(plan.seed), mesh)
+    model = runners.Model(params, attacks, jax.random.key(plan.run.seed), mesh,
+                          plan.rules(apply_fn, attacks))
     process = (jax.process_index(), jax.process_count()) if mesh is not None else (0, 1)
     return _Run(plan, model, source, sharding, process)
 
@@ -239,12 +241,12 @@ def evaluate(
     apply_fn, params, source = _model_and_data(model, params, data, plan)
     run = _start(apply_fn, params, source, plan, mesh)
     keep_images = bool(getattr(source, "in_memory", False)) if keep_images is None else keep_images
-    uint8_images = _stored_on_grid(source, plan.judging)
+    uint8_images = _stored_on_grid(source, plan.threat.judging)
     if images_dir is not None:
         os.makedirs(images_dir, exist_ok=True)
     state, ckpt = _resume(run, apply_fn, params, keep_images, uint8_images, checkpoint_dir)
     lead = jax.process_index() == 0
-    total = data_lib.num_batches(run.n, run.plan.batch_size)
+    total = data_lib.num_batches(run.n, run.plan.run.batch_size)
     model_checks, certify_seconds = None, 0.0  # this process's first rows; its own seconds
     for index in range(state.batches_done, total):
         bx, batch = _read_batch(run, index, check_classes=index == state.batches_done)
@@ -266,7 +268,7 @@ def evaluate(
         if progress is not None:
             progress(index + 1, total)
     if model_checks is None:  # resumed: the first batch came from the checkpoint
-        first = data_lib.local_batch(source, 0, run.plan.batch_size, *run.process)
+        first = data_lib.local_batch(source, 0, run.plan.run.batch_size, *run.process)
         model_checks = checks_lib.model_checks(run.model.apply_fn, params,
                                                data_lib.to_unit_float(first.x)[:CHECKED],
                                                run.model.attacks)
@@ -345,10 +347,11 @@ def _gallery(source: data_lib.Source, state: checkpoint.State) -> dict[str, np.n
 def _read_batch(run: _Run, index: int, check_classes: bool) -> tuple[np.ndarray, data_lib.Batch]:
     """This process's rows of batch ``index`` as floats in [0, 1], checked (and, with
     ``check_classes``, the model's class count against the data's)."""
-    batch = data_lib.local_batch(run.source, index, run.plan.batch_size, *run.process)
+    batch = data_lib.local_batch(run.source, index, run.plan.run.batch_size, *run.process)
     bx = data_lib.to_unit_float(batch.x)
-    classes = check_inputs(run.model.apply_fn, run.model.params, bx, batch.y, run.plan.eps,
-                           judging=run.plan.judging)
+    threat = run.plan.threat
+    classes = check_inputs(run.model.apply_fn, run.model.params, bx, batch.y, threat.eps,
+                           judging=threat.judging)
     if check_classes and run.source.num_classes not in (None, classes):
         raise ValueError(
             f"the model has {classes} outputs but the data {run.source.name} has "
@@ -361,7 +364,7 @@ def _attack_batch(run: _Run, index: int, bx: np.ndarray, batch: data_lib.Batch):
     """Batch ``index`` attacked by the plan's runner: its counts (numpy), its per-example
     outputs on the real rows (numpy), each stage's spending ``[A, 4]`` and the batch as run
     ``(x, y, example_id, mask, real)`` (global arrays under a mesh; ``real`` on the host)."""
-    size = run.plan.batch_size
+    size = run.plan.run.batch_size
     arrays = (bx, batch.y.astype(np.int32), batch.example_id, batch.mask)
     if run.sharding is not None:
         arrays = tuple(
@@ -369,8 +372,8 @@ def _attack_batch(run: _Run, index: int, bx: np.ndarray, batch: data_lib.Batch):
             for a in arrays
         )
     real = np.arange(index * size, (index + 1) * size) < run.n
-    counts, outputs, stage_counts = runners.runner(run.plan).run(
-        run.plan, run.model, runners.Batch(*arrays, real))
+    counts, outputs, stage_counts = run.plan.schedule.run(
+        run.model, runners.Batch(*arrays, real), run.plan.threat.eps)
     # Every output is replicated: each process reads its own full copy.
     outputs = {k: np.asarray(v)[real] for k, v in outputs.items()}
     return jax.tree.map(np.asarray, counts), outputs, stage_counts, (*arrays, real)
@@ -414,14 +417,15 @@ def _results(run: _Run, state: checkpoint.State, model_checks: Any,
     """The model record (:func:`jaxbundle.report.schema.model_record`) and the per-example
     arrays of a finished evaluation."""
     plan, attacks, n = run.plan, run.model.attacks, run.n
+    threat = plan.threat
     per_example = {k: np.concatenate(v) for k, v in state.chunks.items()}
     per_example.pop("example_id")
     figures = state.counts.compute(run.setting)
     on_grid = figures.pop("grid_judged")
     figures["judging"] = {
-        "mode": plan.judging, "grid_examples": on_grid, "float_examples": n - on_grid,
-        "grid_radius": norms.grid_radius(plan.eps, plan.norm),
-        "statement": judge.statement(plan.judging, plan.eps, plan.norm, on_grid, n),
+        "mode": threat.judging, "grid_examples": on_grid, "float_examples": n - on_grid,
+        "grid_radius": norms.grid_radius(threat.eps, threat.norm),
+        "statement": judge.statement(threat.judging, threat.eps, threat.norm, on_grid, n),
     }
     figures["data"] = {"name": run.source.name, "n": n}
     figures["model_dtype"] = model_dtypes(run.model.apply_fn, run.model.params,
@@ -435,9 +439,8 @@ def _results(run: _Run, state: checkpoint.State, model_checks: Any,
     if sampling.is_stochastic(run.model.apply_fn):
         figures["stochastic"] = stochastic_metrics(run.model.apply_fn, attacks, per_example)
     per_example.update(kind_distortions(per_example, attacks))
-    figures.update(curve_metrics(per_example, attacks, plan.norm))
-    figures.update(runners.runner(plan).figures(plan, figures, per_example, attacks,
-                                                state.stages))
+    figures.update(curve_metrics(per_example, attacks, threat.norm))
+    figures.update(plan.schedule.figures(figures, per_example, attacks, state.stages))
     if plan.certify is not None:
         from jaxbundle.certify import run as certify_run
 
@@ -445,6 +448,6 @@ def _results(run: _Run, state: checkpoint.State, model_checks: Any,
                                                    certify_seconds)
         if "certified_radius" in per_example:
             (figures["operating_characteristic"]["certified"],
-             figures["half_distortion"]["certified"]) = certify_run.curve(per_example, plan.norm)
+             figures["half_distortion"]["certified"]) = certify_run.curve(per_example, threat.norm)
         checks_lib.add_certified(figures, per_example)
     return schema.model_record(plan, figures), per_example

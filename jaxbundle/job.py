@@ -177,17 +177,18 @@ def best_effort_metrics(plan: Plan, apply_fn: Callable, params: Any, source: dat
     fixed = tuple(a for a in plan.attack_values() if a.goal == "misclassify" and not a.black_box)
     if not fixed:
         raise ValueError("best-effort mode needs a fixed-budget white-box attack in the bundle")
-    key, parts = jax.random.key(plan.seed), []
-    for b in _batched(source, plan.batch_size):
-        r = best_effort(fixed, apply_fn, params, b.x, b.y, key, eps_max=plan.eps, norm=plan.norm,
-                        iterations=iterations, example_id=b.example_id, judging=plan.judging)
+    key, parts, threat = jax.random.key(plan.run.seed), [], plan.threat
+    for b in _batched(source, plan.run.batch_size):
+        r = best_effort(fixed, apply_fn, params, b.x, b.y, key, eps_max=threat.eps,
+                        norm=threat.norm, iterations=iterations, example_id=b.example_id,
+                        judging=threat.judging)
         ok = np.asarray(apply_fn(params, b.x)).argmax(-1) == b.y
         parts.append((np.asarray(r.distortion)[b.mask], ok[b.mask],
                       np.asarray(r.gradients)[b.mask]))
     d, ok, gradients = (np.concatenate(p) for p in zip(*parts))
-    grid = curves.distortion_grid(plan.norm)
+    grid = curves.distortion_grid(threat.norm)
     metrics = {
-        "attacks": [a.name for a in fixed], "eps_max": plan.eps, "iterations": iterations,
+        "attacks": [a.name for a in fixed], "eps_max": threat.eps, "iterations": iterations,
         "operating_characteristic": {
             "grid": grid.tolist(), "bundled": curves.operating_characteristic(d, ok, grid).tolist()
         },
@@ -210,10 +211,10 @@ def transfer_metrics(plan: Plan, surrogates: Sequence[tuple[str, Callable, Any]]
         raise ValueError("transfer from surrogates needs a white-box attack in the bundle")
     names = [s[0] for s in surrogates]
     pairs = [(s[1], s[2]) for s in surrogates]
-    key, parts = jax.random.key(plan.seed), []
-    for b in _batched(source, plan.batch_size):
-        r = transfer_bundle(white, pairs, apply_fn, params, b.x, b.y, key, eps=plan.eps,
-                            norm=plan.norm, example_id=b.example_id, judging=plan.judging)
+    key, parts, threat = jax.random.key(plan.run.seed), [], plan.threat
+    for b in _batched(source, plan.run.batch_size):
+        r = transfer_bundle(white, pairs, apply_fn, params, b.x, b.y, key, eps=threat.eps,
+                            norm=threat.norm, example_id=b.example_id, judging=threat.judging)
         m = b.mask
         parts.append((np.asarray(r.target_clean_correct)[m], np.asarray(r.success)[m],
                       np.asarray(r.surrogate_success)[:, m]))
@@ -345,7 +346,7 @@ def _evaluate_model(ref: ModelRef, apply_fn: Callable, params: Any, source: data
         progress.update(task, description=f"{ref.name}: natural shifts")
         x, y = _in_memory(source, _shift_examples(source))
         judged = for_model(plan, apply_fn)[0]  # a stochastic model as the plan judges it
-        extras.update(shifts=evaluate_shifts(judged, params, x, y, seed=plan.seed),
+        extras.update(shifts=evaluate_shifts(judged, params, x, y, seed=plan.run.seed),
                       shift_examples=len(y))
     if job.best_effort:
         progress.update(task, description=f"{ref.name}: best effort")
@@ -377,7 +378,7 @@ def fitted_batch_size(plan: Plan, apply_fn: Callable, params: Any,
     from jaxbundle.run import memory
 
     devices = jax.device_count()
-    size = memory.auto_batch_size(for_model(plan, apply_fn)[1], plan.restart_mode, apply_fn,
+    size = memory.auto_batch_size(for_model(plan, apply_fn)[1], plan.run.restart_mode, apply_fn,
                                   params, image_shape, devices=devices)
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils

@@ -117,7 +117,7 @@ def _toy_defence():
 
 
 def _evaluate(model, params, x, y):
-    plan = jaxbundle.Plan(eps=0.1, attacks=(jaxbundle.AttackSpec("apgd-ce", steps=10),
+    plan = jaxbundle.Plan.of(eps=0.1, attacks=(jaxbundle.AttackSpec("apgd-ce", steps=10),
                                             jaxbundle.AttackSpec("square", queries=100)),
                           batch_size=32, goals=("misclassify",))  # the one goal the test reads
     return jaxbundle.evaluate(model, params, (x, y), plan, mesh=None)

@@ -31,7 +31,7 @@ ATTACKS = ("apgd-ce", "apgd-t3")
 ])
 def test_bad_certify_fields_are_refused(fields, message):
     with pytest.raises(ValueError, match=message):
-        Plan(eps=0.1, attacks=("fgsm",), **fields).check()
+        Plan.of(eps=0.1, attacks=("fgsm",), **fields).check()
 
 
 def test_certify_needs_the_right_kind_of_model():
@@ -39,10 +39,10 @@ def test_certify_needs_the_right_kind_of_model():
         return linear_apply(params, x + 0.1 * jax.random.normal(key, x.shape))
 
     with pytest.raises(ValueError, match="bounds a deterministic model"):
-        Plan(eps=0.1, attacks=("fgsm",), certify="crown").check(stochastic(noisy))
+        Plan.of(eps=0.1, attacks=("fgsm",), certify="crown").check(stochastic(noisy))
     with pytest.raises(ValueError, match="jaxbundle.certify.gaussian"):
-        Plan(eps=0.1, attacks=("fgsm",), certify="smoothing").check(linear_apply)
-    assert Plan(eps=0.1, attacks=("fgsm",), certify="crown").describe()["certify"] == {
+        Plan.of(eps=0.1, attacks=("fgsm",), certify="smoothing").check(linear_apply)
+    assert Plan.of(eps=0.1, attacks=("fgsm",), certify="crown").describe()["certify"] == {
         "method": "crown", "time_limit": None}
 
 
@@ -50,7 +50,7 @@ def test_certify_needs_the_right_kind_of_model():
 def linear():
     params, x, y = linear_problem(n=40, k=4, seed=3)
     eps = float(np.quantile(min_distance(params, x, y, "linf"), 0.5))
-    plan = Plan(eps=eps, attacks=ATTACKS, steps=20, judging="float", certify="crown",
+    plan = Plan.of(eps=eps, attacks=ATTACKS, steps=20, judging="float", certify="crown",
                 batch_size=16)
     return params, np.asarray(images(x)), y, evaluate(linear_apply, params, (images(x), y), plan,
                                                       mesh=None)
@@ -117,7 +117,7 @@ def test_complete_mode_decides_every_example_of_a_small_relu_net():
     apply_fn, params = _relu_net(0)
     x = jax.random.uniform(jax.random.key(1), (24, 2, 2, 1))
     y = np.asarray(jnp.argmax(apply_fn(params, x), axis=1))
-    plan = Plan(eps=0.15, attacks=ATTACKS[:1], steps=20, judging="float", certify="complete",
+    plan = Plan.of(eps=0.15, attacks=ATTACKS[:1], steps=20, judging="float", certify="complete",
                 certify_time_limit=20.0)
     result = evaluate(apply_fn, params, (x, y), plan, mesh=None)
     pe, record = result.per_example, result.metrics["certified"]
@@ -153,7 +153,7 @@ def test_on_8_bit_data_every_grid_image_of_a_certified_ball_is_classified_right(
     rng = np.random.default_rng(2)
     x = jnp.asarray(rng.integers(0, 256, size=(16, 2, 2, 1)) / 255.0, jnp.float32)
     y = np.asarray(jnp.argmax(jax.jit(apply_fn)(params, x), axis=1))
-    plan = Plan(eps=8 / 255, attacks=ATTACKS, steps=20, certify="crown")
+    plan = Plan.of(eps=8 / 255, attacks=ATTACKS, steps=20, certify="crown")
     result = evaluate(apply_fn, params, (x, y), plan, mesh=None)
     pe = result.per_example
     assert np.all(pe["judged_on_grid"]) and 0 < pe["certified"].sum() < len(y)
@@ -182,7 +182,7 @@ def test_an_unsound_bound_fires_the_checks_in_every_mode(method, monkeypatch):
         return honest(*args, **kwargs) + 10.0
 
     monkeypatch.setattr(certify_run, "_bound_margin", unsound)
-    plan = Plan(eps=0.3, attacks=ATTACKS[:1], steps=10, judging="float", certify=method,
+    plan = Plan.of(eps=0.3, attacks=ATTACKS[:1], steps=10, judging="float", certify=method,
                 certify_time_limit=5.0 if method == "complete" else None)
     result = evaluate(functools.partial(apply_fn), params, (x, y), plan, mesh=None)
     pe, record, checks = result.per_example, result.metrics["certified"], \
@@ -209,7 +209,7 @@ def test_a_relaxation_that_cuts_too_low_fires_the_check(monkeypatch):
         below, (slope, _) = honest(graph, state, index)
         return below, (slope, None)
 
-    plan = Plan(eps=0.3, attacks=ATTACKS[:1], steps=10, judging="float", certify="crown")
+    plan = Plan.of(eps=0.3, attacks=ATTACKS[:1], steps=10, judging="float", certify="crown")
     right = evaluate(apply_fn, params, (x, y), plan, mesh=None).metrics["certified"]
     monkeypatch.setattr(crown, "_relaxations", cut)
     wrong = evaluate(functools.partial(apply_fn), params, (x, y), plan, mesh=None)
@@ -236,7 +236,7 @@ def test_missed_by_attacks_counts_only_points_of_the_judged_threat_model(judging
               "k": jnp.float32(10.0 * 255)}
     x = jnp.full((4, 1, 1, 1), 126.0 / 255)
     y = np.zeros(4, np.int32)
-    plan = Plan(eps=3 / 255, attacks=("fgsm",), judging=judging, certify="complete",
+    plan = Plan.of(eps=3 / 255, attacks=("fgsm",), judging=judging, certify="complete",
                 certify_time_limit=5.0)
     result = evaluate(_slab, params, (x, y), plan, mesh=None)
     pe, record = result.per_example, result.metrics["certified"]
@@ -284,7 +284,7 @@ def test_smoothing_certifies_the_smoothed_linear_classifier_beside_its_attack():
     distance = min_distance(params, x, y, "l2")
     eps = float(np.quantile(distance, 0.5))
     model = certify.gaussian(linear_apply, 0.5 * eps, calls=8)
-    plan = Plan(eps=eps, norm="l2", attacks=("pgd-ce",), steps=5, judging="float",
+    plan = Plan.of(eps=eps, norm="l2", attacks=("pgd-ce",), steps=5, judging="float",
                 certify="smoothing", eot=2)
     result = evaluate(model, params, (images(x, (2, 2, 1)), y), plan, mesh=None)
     pe, record = result.per_example, result.metrics["certified"]
@@ -313,7 +313,7 @@ def test_smoothing_reports_the_smoothed_classifier_apart_from_the_attacked_one()
     y = np.zeros(n, np.int32)
     model = certify.gaussian(linear_apply, sigma, calls=16)
     eps = 0.92 * sigma
-    plan = Plan(eps=eps, norm="l2", attacks=("pgd-ce",), steps=10, judging="float",
+    plan = Plan.of(eps=eps, norm="l2", attacks=("pgd-ce",), steps=10, judging="float",
                 certify="smoothing", eot=4)
     result = evaluate(model, params, (images(x, (2, 2, 1)), y), plan, mesh=None)
     pe, record, checks = result.per_example, result.metrics["certified"], \
@@ -341,7 +341,7 @@ def test_a_model_drawing_noise_from_a_key_it_holds_is_refused():
     params = {**params, "key": jax.random.key_data(jax.random.key(0))}
     with pytest.raises(ValueError, match="another position in the batch"):
         models.check_model(noisy, params, images(x), num_classes=3)
-    plan = Plan(eps=0.01, attacks=("fgsm",), judging="float", certify="ibp")
+    plan = Plan.of(eps=0.01, attacks=("fgsm",), judging="float", certify="ibp")
     with pytest.raises(ValueError, match="another position in the batch"):
         evaluate(noisy, params, (images(x), y), plan, mesh=None)
 
@@ -355,7 +355,7 @@ def test_a_mesh_of_four_devices_certifies_as_one(tmp_path):
         "from jaxbundle import Plan, evaluate\n"
         "from toys import images, linear_apply, linear_problem\n"
         "params, x, y = linear_problem(n=32, k=4, seed=3)\n"
-        "plan = Plan(eps=0.02, attacks=('apgd-ce',), steps=5, judging='float',\n"
+        "plan = Plan.of(eps=0.02, attacks=('apgd-ce',), steps=5, judging='float',\n"
         "            certify='crown-ibp', batch_size=16)\n"
         "one = evaluate(linear_apply, params, (images(x), y), plan, mesh=None)\n"
         "four = evaluate(linear_apply, params, (images(x), y), plan, mesh='auto')\n"

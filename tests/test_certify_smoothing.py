@@ -236,7 +236,7 @@ def test_a_smoothed_model_is_evaluated_with_eot_end_to_end():
     params, x, y = linear_problem(n=8, k=3, seed=4)
     eps = float(np.quantile(min_distance(params, x, y, "linf"), 0.5))
     model = smoothing.gaussian(linear_apply, 0.02, calls=4)
-    plan = Plan(eps=eps, attacks=(pgd(steps=3),), eot=2, goals=("misclassify",))
+    plan = Plan.of(eps=eps, attacks=(pgd(steps=3),), eot=2, goals=("misclassify",))
     ev = evaluate(model, params, (np.asarray(images(x)), y), plan)
     s = ev.metrics["stochastic"]
     assert (s["calls"], s["eot"]) == (4, {"pgd-ce": 2})

@@ -21,7 +21,7 @@ def _problem(n=32, seed=2):
 
 
 def _run(apply_fn, params, x, y, eps, bundle):
-    plan = Plan(eps=eps, attacks=tuple(bundle), batch_size=16, judging="float")
+    plan = Plan.of(eps=eps, attacks=tuple(bundle), batch_size=16, judging="float")
     return evaluate(apply_fn, params, (x, y), plan, mesh=None)
 
 
@@ -133,7 +133,7 @@ def test_checks_in_the_report(mode, tmp_path):
     params, x, y, eps = _problem()
     # The plan of _run (full: the program of the neighbouring tests), in either mode.
     r = evaluate(linear_apply, params, (x, y),
-                 Plan(eps=eps, attacks=(attacks_lib.fgsm("linf"),), batch_size=16,
+                 Plan.of(eps=eps, attacks=(attacks_lib.fgsm("linf"),), batch_size=16,
                       judging="float", mode=mode), mesh=None)
     report = {"config": {}, "models": {"m": dict(r.metrics, figures={})}}
     text = markdown(report)

@@ -257,10 +257,10 @@ def test_the_readme_bundles_table_is_the_library():
             built = jaxbundle.bundles.bundle_attacks(name, norm)
             assert sum(a.gradients for a in built) == gradients[i], (name, norm)
             assert sum(a.queries for a in built) == queries[i], (name, norm)
-            assert at_most == (plan.mode == "cascade"), name
+            assert at_most == (plan.schedule.mode == "cascade"), name
     default = jaxbundle.bundles.default("linf", 0.3)
-    assert dict(default.focus) == _documented_default_focus() == DEFAULT_FOCUS
-    assert f"--segments {default.segments}" in rows["default"][1]
+    assert dict(default.schedule.focus) == _documented_default_focus() == DEFAULT_FOCUS
+    assert f"--segments {default.schedule.segments}" in rows["default"][1]
 
 
 def test_the_architecture_page_names_every_module():

@@ -123,7 +123,7 @@ def check_the_readme_library_example(ns, printed, cwd):
 
 
 
-@check("docs/python-api.md", "mine = jaxbundle.Plan(")
+@check("docs/python-api.md", "mine = jaxbundle.Plan.of(")
 def check_plans(ns, printed, cwd):
     """A named bundle is a plan with its schedule; replace gives a new plan; check refuses a
     focus on an attack the plan lacks, in one line."""
@@ -134,11 +134,11 @@ def check_plans(ns, printed, cwd):
     assert ast.literal_eval(printed[1]) == ["apgd-ce", "fmn"]
     assert printed[2].startswith("refused: ") and "fmn" in printed[2] and len(printed) == 3
     plan, same = ns["plan"], ns["same"]
-    assert (plan.batch_size, plan.seed) == (128, 1)
+    assert (plan.run.batch_size, plan.run.seed) == (128, 1)
     assert same == jaxbundle.bundles.default("linf", 0.3) != plan
     assert hash(same) == hash(jaxbundle.bundles.default("linf", 0.3))
     json.dumps(plan.describe())
-    assert ns["mine"].steps == 50
+    assert ns["mine"].suite.steps == 50 and ns["records"] == ns["mine"]
 
 
 @check("docs/python-api.md", 'data.head(data.open_source("mnist-sample:test"), 64)', slow=True)
@@ -274,7 +274,7 @@ def check_auto_batch_size(ns, printed, cwd):
     from jaxbundle import memory
 
     size, per_example, fixed = ns["size"], ns["per_example"], ns["fixed"]
-    assert ns["plan"].batch_size == size >= 1
+    assert ns["plan"].run.batch_size == size >= 1
     assert size * per_example + fixed <= memory.FRACTION * memory.free_bytes() * 1.1
     one, _ = memory.per_example_bytes([a._replace(num_restarts=1) for a in ns["attacks"]],
                                       "vmap", ns["apply_fn"], ns["params"], (28, 28, 1))
@@ -295,10 +295,10 @@ def check_schedule_fields(ns, printed, cwd):
     focus, rest = rest.split("} ", 1)
     assert mode == "cascade" and ast.literal_eval(focus + "}") == {"apgd-t": 0.5}
     assert rest == "4 max_confidence 0.9"
-    assert ns["confident"].mode == "cascade"
+    assert ns["confident"].schedule.mode == "cascade"
 
 
-@check("docs/schedules.md", "schedule.bucket_sizes(256)")
+@check("docs/schedules.md", "cascade.bucket_sizes(256)")
 def check_bucket_sizes(ns, printed, cwd):
     """The batch times 1, 3/4, 1/2, 3/8, 1/4, ... (rounded down), down to one row."""
     ratios = [scale * r for scale in (0.5 ** k for k in range(10)) for r in (1, 0.75)]
@@ -343,7 +343,7 @@ def check_bpda(ns, printed, cwd):
     loss = lambda m: lambda v: jnp.sum(m(w, v))  # noqa: E731
     np.testing.assert_array_equal(jax.grad(loss(naive))(x), 0)
     np.testing.assert_allclose(jax.grad(loss(bpda))(x).reshape(2, 4), [w.sum(1)] * 2, rtol=1e-6)
-    assert jaxbundle.sampling.is_stochastic(noisy) and ns["plan"].eot == 8
+    assert jaxbundle.sampling.is_stochastic(noisy) and ns["plan"].sampling.eot == 8
 
 
 @check("docs/certify.md", "jaxbundle.certify.margin_bounds(apply_fn")

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from jaxbundle import attacks as attacks_lib
-from jaxbundle import Plan
+from jaxbundle import Full, Plan
 from jaxbundle.bundler import goals_for
 from test_schedule import _cascade, _problem
 
@@ -49,9 +49,10 @@ def test_an_escalated_stage_runs_only_when_the_stage_before_fooled_enough(share,
     ],
 )
 def test_bad_escalate_is_one_clear_error(escalate, message):
-    plan = Plan(eps=0.1, attacks=(attacks_lib.fgsm(), attacks_lib.pgd(steps=2).rename("pgd")),
-                goals=("misclassify",), mode="cascade", escalate=escalate)
+    plan = Plan.of(eps=0.1, attacks=(attacks_lib.fgsm(), attacks_lib.pgd(steps=2).rename("pgd")),
+                   goals=("misclassify",), mode="cascade", escalate=escalate)
     with pytest.raises(ValueError, match=re.escape(message)):
         plan.check()
     with pytest.raises(ValueError, match=re.escape("escalate is a cascade setting")):
-        plan.replace(mode="full").check()
+        plan.replace(mode="full", escalate=escalate)
+    assert plan.replace(mode="full").schedule == Full()  # a full plan has no escalate to keep

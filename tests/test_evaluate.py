@@ -42,7 +42,7 @@ def _run(problem, checkpoint_dir=None, progress=None, **fields):
     """ATTACKS on the problem, with the plan's ``fields`` (seed 3 and the problem's eps unless
     given)."""
     params, x, y, eps = problem
-    plan = Plan(**{"eps": eps, "attacks": tuple(ATTACKS), "seed": 3, **fields})
+    plan = Plan.of(**{"eps": eps, "attacks": tuple(ATTACKS), "seed": 3, **fields})
     return evaluate(linear_apply, params, (x, y), plan, mesh=None,
                     checkpoint_dir=checkpoint_dir, progress=progress)
 
@@ -138,7 +138,7 @@ def _worker_script(problem, tmp_path, setup: str, checkpoint: bool = False) -> s
                 reads.append([start, stop])
                 return super().read(start, stop)
 
-        plan = Plan(eps=float(d["eps"]), seed=3, batch_size=16,
+        plan = Plan.of(eps=float(d["eps"]), seed=3, batch_size=16,
                     attacks=(attacks.fgsm(), attacks.pgd(steps=4, restarts=2),
                              attacks.square("linf", queries=30)))
         ev = evaluate(linear_apply, params, Recording(d["x"], d["y"]), plan, mesh="auto",
@@ -170,7 +170,7 @@ def _assert_same_as_single_device(problem, tmp_path, tags) -> None:
 
 def test_evaluate_rejects_bad_data(problem):
     params, x, y, eps = problem
-    plan = Plan(eps=eps, attacks=tuple(ATTACKS))
+    plan = Plan.of(eps=eps, attacks=tuple(ATTACKS))
     with pytest.raises(ValueError, match=r"\[0, 1\]"):
         evaluate(linear_apply, params, (x * 2, y), plan)
     with pytest.raises(ValueError, match="batch_size must be a positive integer, got 0"):
@@ -269,7 +269,7 @@ def test_confident_failures_only_with_the_max_confidence_goal(problem):
     null, not a 0 % that would read as a perfect defence."""
     params, x, y, eps = problem
     without = evaluate(linear_apply, params, (x, y),
-                       Plan(eps=eps, attacks=tuple(ATTACKS[:1]), goals=("misclassify",)))
+                       Plan.of(eps=eps, attacks=tuple(ATTACKS[:1]), goals=("misclassify",)))
     assert without.metrics["confident_failure_rate"] is None
     assert without.metrics["failure_rate_curve"] is None
     # ATTACKS with the default goals (max_confidence among them), as test_metrics_match_the_
@@ -310,7 +310,7 @@ def test_a_new_metric_is_one_class(problem, monkeypatch):
     params, x, y, eps = problem
     # FGSM alone: a program of its own (the jit cache does not see METRICS: no other test may
     # run this plan), kept small.
-    plan = Plan(eps=eps, attacks=tuple(ATTACKS[:1]), batch_size=16)
+    plan = Plan.of(eps=eps, attacks=tuple(ATTACKS[:1]), batch_size=16)
     with pytest.raises(ValueError, match=r"\['fooled_by_any'\] are not in the report schema"):
         evaluate(linear_apply, params, (x, y), plan)
     # The schema's field list as model_record reads it (evaluation fields come before "model").

@@ -422,7 +422,7 @@ def test_a_new_goal_is_one_record(monkeypatch):
     monkeypatch.setitem(goals.GOALS, record.name, record)
     params, x, y = linear_problem(n=12, k=3, seed=4)
     eps = float(np.quantile(min_distance(params, x, y, "linf"), 0.7))
-    plan = Plan(eps=eps, attacks=(attacks.pgd(steps=6, restarts=2),),
+    plan = Plan.of(eps=eps, attacks=(attacks.pgd(steps=6, restarts=2),),
                 goals=("misclassify", "min_margin_win"), seed=0)
     ev = evaluate(linear_apply, params, (images(x), y), plan, mesh=None)
     assert ev.metrics["goals"] == ["misclassify", "min_margin_win"]

@@ -270,8 +270,8 @@ def test_candidates_can_be_judged_as_autoattack_is(tmp_path):
     import agreement
     import run
 
-    assert run._plan("default", "l2", 0.5, 8, {}).judging == "auto"
-    assert run._plan("default", "l2", 0.5, 8, {}, judging="float").judging == "float"
+    assert run._plan("default", "l2", 0.5, 8, {}).threat.judging == "auto"
+    assert run._plan("default", "l2", 0.5, 8, {}, judging="float").threat.judging == "float"
     rows = [{"set": "heldout", "model": "m", "norm": "l2", "eps": 0.5, "n": 2, "candidate": c,
              "seed": 0, "robust": "10", **extra}
             for c, extra in (("default", {}), ("default", {"judging": "float"}),

@@ -365,7 +365,7 @@ def test_run_job_as_a_library_call(user, tmp_path):
     source = data.head(data.open_source(f"npz:{user['root'] / 'digits.npz'}"), 32)
     model = job.ModelRef("mine", lambda progress: (apply_fn, params), "test")
     surrogate = job.ModelRef("copy", lambda progress: (apply_fn, params), "test")
-    plan = jaxbundle.Plan(eps=0.1, attacks=("pgd-ce",), steps=10, batch_size=16)
+    plan = jaxbundle.Plan.of(eps=0.1, attacks=("pgd-ce",), steps=10, batch_size=16)
     path, results = job.run_job(
         [model], source, plan, job.JobOptions(out=str(tmp_path / "lib"), shifts=True,
                                               best_effort=True, surrogates=[surrogate]),

@@ -86,7 +86,7 @@ def test_judged_robust_accuracy_matches_float32(trained, digits, model, norm, ep
     sets, y = {name: x[:MATCH] for name, x in sets.items()}, y[:MATCH]
     run = lambda x, judging, e=eps: evaluate(  # noqa: E731
         apply_fn, params, (x, y),
-        Plan(eps=e, norm=norm, attacks=fast(norm), goals=("misclassify",), judging=judging,
+        Plan.of(eps=e, norm=norm, attacks=fast(norm), goals=("misclassify",), judging=judging,
              batch_size=MATCH, seed=1),
     )
     on, flt = run(sets["on-grid"], "auto"), run(sets["on-grid"], "float")
@@ -361,7 +361,7 @@ def test_colour_images_judged_like_float32_at_the_grid_radius(norm, eps):
     bundle_ = (attacks.apgd(norm, steps=10), attacks.square(norm, queries=50))
     run = lambda images_, e, judging: evaluate(  # noqa: E731
         module.apply, params, (images_, y),
-        Plan(eps=e, norm=norm, attacks=bundle_, goals=("misclassify",), judging=judging,
+        Plan.of(eps=e, norm=norm, attacks=bundle_, goals=("misclassify",), judging=judging,
              batch_size=32))
     radius = norms.grid_radius(eps, norm)
     judged, at_radius = run(x, eps, "auto"), run(x, radius, "float")

@@ -102,7 +102,7 @@ def test_exact_ties_are_decided_as_the_models_own_argmax_decides_them():
     params = jnp.float32(5.0)
     z = np.asarray(_tied(params, jnp.asarray(x))).astype(np.float32)
     assert np.all(z[:, 0] == z[:, 1])
-    plan = jaxbundle.Plan(attacks=("apgd-ce",), eps=0.1, norm="linf", steps=5, batch_size=32,
+    plan = jaxbundle.Plan.of(attacks=("apgd-ce",), eps=0.1, norm="linf", steps=5, batch_size=32,
                           judging="float")
     out = jaxbundle.evaluate(_tied, params, (x, y), plan, mesh=None)
     assert out.metrics["clean_accuracy"] == 50.0
@@ -136,7 +136,7 @@ def test_a_bfloat16_model_reports_only_what_its_own_calls_confirm():
     apply_fn, params = _trained_bfloat16_mlp(train.x, train.y)
     # APGD alone: the risk is the judge's logits in a program that also takes gradients (a
     # black-box attack adds no such program; every candidate is judged the same way).
-    plan = jaxbundle.Plan(attacks=("apgd-ce",), eps=0.1, norm="linf", steps=20, batch_size=96)
+    plan = jaxbundle.Plan.of(attacks=("apgd-ce",), eps=0.1, norm="linf", steps=20, batch_size=96)
     out = jaxbundle.evaluate(apply_fn, params, (test.x, test.y), plan, mesh=None)
     pe, m = out.per_example, out.metrics
     assert m["model_dtype"]["logits"] == "bfloat16"

@@ -130,7 +130,7 @@ def test_evaluate_takes_the_module(style, hand_written):
     and its certified bounds: bound propagation reads the module's own program (NNX merge,
     Equinox combine, linen with batch_stats; none certified, the examples are untrained)."""
     ds = data.load_mnist_sample("test", n=8)
-    plan = jaxbundle.Plan(eps=0.05, attacks=("fgsm",), batch_size=8, certify="crown-ibp")
+    plan = jaxbundle.Plan.of(eps=0.05, attacks=("fgsm",), batch_size=8, certify="crown-ibp")
     hand = load_model(f"{hand_written}:{style}")
     want = jaxbundle.evaluate(hand.apply_fn, hand.params, (ds.x, ds.y), plan, mesh=None)
     got = jaxbundle.evaluate(*_module_and_params(style), (ds.x, ds.y), plan, mesh=None)

@@ -5,7 +5,10 @@ checkpoint refuses a changed plan naming what changed, and one attack vocabulary
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import itertools
 import json
+import pathlib
 import re
 import sys
 import textwrap
@@ -19,7 +22,8 @@ import jaxbundle
 from jaxbundle import attacks as attacks_lib
 from jaxbundle import bundles, suites
 from jaxbundle.cli import main
-from jaxbundle.plan import AttackSpec, Plan
+from jaxbundle.plan import (AttackSpec, Cascade, Certify, Full, Plan, Run, Sampling, Suite,
+                            Threat)
 from jaxbundle.presets import DEMO_CERTIFY
 from toys import images, linear_apply, linear_problem, min_distance
 
@@ -131,14 +135,14 @@ def test_a_named_bundle_carries_its_schedule():
     """The default bundle is a focused, segmented cascade wherever it is used: the bug this
     replaces ran it in full from Python and as a cascade from the CLI."""
     plan = bundles.default("linf", 0.3)
-    assert plan == bundles.plan("default", "linf", 0.3) and plan.bundle == "default"
-    assert (plan.mode, plan.segments) == ("cascade", 6)
-    assert plan.focus_map == {"apgd-ce-long": 0.5, "apgd-t5": 0.5, "square-aa": 0.06}
-    assert plan.probe_map == {"square-aa": 0.05}
+    assert plan == bundles.plan("default", "linf", 0.3) and plan.suite.bundle == "default"
+    assert (plan.schedule.mode, plan.schedule.segments) == ("cascade", 6)
+    assert plan.schedule.focus_map == {"apgd-ce-long": 0.5, "apgd-t5": 0.5, "square-aa": 0.06}
+    assert plan.schedule.probe_map == {"square-aa": 0.05}
     assert [a.name for a in plan.attack_values()] == ["apgd-ce", "apgd-ce-long", "apgd-t5",
                                                       "square-aa"]
-    assert bundles.autoattack("l2", 0.5).mode == "cascade"
-    assert bundles.broad("linf", 0.3).mode == "full"
+    assert bundles.autoattack("l2", 0.5).schedule.mode == "cascade"
+    assert bundles.broad("linf", 0.3).schedule.mode == "full"
     assert [a.name for a in bundles.black_box("l2", 1.0).attack_values()] == ["square",
                                                                               "surfree"]
     with pytest.raises(ValueError, match="needs the threat model's eps"):
@@ -150,9 +154,9 @@ def test_a_named_bundle_carries_its_schedule():
 def test_every_bundle_is_a_valid_plan_named_in_one_vocabulary(name, norm):
     plan = bundles.plan(name, norm, 0.1)
     built = plan.attack_values()
-    assert [a.name for a in built] == [s.name for s in plan.attacks]
+    assert [a.name for a in built] == [s.name for s in plan.suite.attacks]
     assert all(a.name in suites.ATTACKS and a.norm == norm for a in built)
-    assert set(plan.focus_map) <= {a.name for a in built}
+    assert set(plan.schedule.describe()["focus"]) <= {a.name for a in built}
     assert plan.attack_values() is built  # built once per plan: jitted programs are reused
     hash(plan)
     json.dumps(plan.describe())
@@ -170,16 +174,68 @@ def test_one_name_everywhere():
 
 
 def test_plan_is_frozen_hashable_and_replaceable():
-    plan = Plan(eps=np.float32(0.25), attacks=["fgsm", "pgd-ce"], focus={"pgd-ce": 0.5},
-                mode="cascade", goals="misclassify")
-    assert plan.eps == 0.25 and type(plan.eps) is float
-    assert plan.attacks == (AttackSpec("fgsm"), AttackSpec("pgd-ce"))
-    assert plan.focus == (("pgd-ce", 0.5),) and plan.goals == ("misclassify",)
+    plan = Plan.of(eps=np.float32(0.25), attacks=["fgsm", "pgd-ce"], focus={"pgd-ce": 0.5},
+                   mode="cascade", goals="misclassify")
+    assert plan.threat.eps == 0.25 and type(plan.threat.eps) is float
+    assert plan.suite.attacks == (AttackSpec("fgsm"), AttackSpec("pgd-ce"))
+    assert plan.schedule.focus == (("pgd-ce", 0.5),) and plan.threat.goals == ("misclassify",)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        plan.eps = 0.1
-    assert plan.replace(seed=2).seed == 2 and plan.seed == 0
+        plan.threat = Threat(0.1)
+    assert plan.replace(seed=2).run.seed == 2 and plan.run.seed == 0
     assert len({plan, plan.replace(), plan.replace(seed=2)}) == 2
     assert plan.check() is plan
+
+
+def _described(name, norm, mode, extra):
+    try:
+        described = bundles.plan(name, norm, 0.3, mode=mode, **extra).describe()
+    except ValueError as error:
+        described = f"ERR {error}"
+    return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def test_every_named_plan_describes_itself_as_before_the_records():
+    """``describe()`` (the report's config, the checkpoint's identity) of every named bundle in
+    each norm and mode, plain and with run, certify and schedule fields, is byte-identical to
+    the flat plan's before the records (digests stored from that code)."""
+    stored = json.loads((pathlib.Path(__file__).parent / "plan_descriptions.json").read_text())
+    for name in bundles.BUNDLES:
+        for norm, mode in itertools.product(("linf", "l2"), ("full", "cascade")):
+            for extra in ({}, {"steps": 7, "seed": 3, "batch_size": 17}, {"certify": "crown"},
+                          {"goal": "max_confidence", "threshold": 0.9} if mode == "cascade"
+                          else {"restart_mode": "map"}):
+                key = f"{name}/{norm}/{mode}/{sorted(extra)}"
+                assert _described(name, norm, mode, extra)[:16] == stored.pop(key), key
+    assert not stored
+
+
+def test_the_flat_names_are_routed_to_the_records():
+    """``Plan.of`` / ``replace`` take the CLI's flat names, each into its record; the same plan
+    built from its records is equal; a field exists only where it means something."""
+    flat = Plan.of(eps=0.3, attacks=("fgsm", "pgd-ce"), norm="l2", steps=7, mode="cascade",
+                   focus={"pgd-ce": 0.5}, segments=3, batch_size=16, seed=4, certify="crown")
+    nested = Plan(Threat(0.3, "l2"), Suite(("fgsm", "pgd-ce"), steps=7),
+                  Cascade(focus={"pgd-ce": 0.5}, segments=3), Run(batch_size=16, seed=4),
+                  certify=Certify("crown"))
+    assert flat == nested and flat.describe() == nested.describe()
+    assert flat.stochastic is None and flat.replace(eot=2).stochastic == Sampling(eot=2)
+    assert flat.replace(eot=2).replace(eot=1).stochastic is None  # all defaults: no section
+    # A cascade keeps its settings while it stays one; mode="full" drops them.
+    assert flat.replace(segments=4).schedule == Cascade(focus={"pgd-ce": 0.5}, segments=4)
+    assert flat.replace(mode="full").schedule == Full()
+    assert not hasattr(Full(), "focus")
+    assert Plan.of(eps=0.3, attacks=("fgsm",)).replace(mode="cascade").schedule == Cascade()
+    # certify= names the method (flat) or the record; a time limit goes with its method.
+    limited = flat.replace(certify="complete", certify_time_limit=5)
+    assert limited.certify == Certify("complete", 5.0)
+    assert limited.replace(certify=None).certify is None
+    assert flat.replace(certify=Certify("ibp")).certify == Certify("ibp")
+    with pytest.raises(ValueError, match="certify_time_limit is the complete mode's seconds"):
+        Plan.of(eps=0.3, attacks=("fgsm",), certify_time_limit=5)
+    with pytest.raises(TypeError, match="Plan has no field 'stepz'"):
+        flat.replace(stepz=3)
+    with pytest.raises(TypeError, match="a plan's schedule is Full"):
+        Plan(Threat(0.3), Suite(("fgsm",)), "cascade").check()
 
 
 _GOOD = dict(eps=0.1, attacks=("fgsm", "pgd-ce"))
@@ -209,7 +265,7 @@ _BAD = [
      "needs its threshold", None),
     (dict(mode="cascade", threshold=1.5, goal="max_confidence", goals=("max_confidence",)),
      "threshold must be a confidence in (0, 1]", None),
-    (dict(mode="cascade", threshold=0.5), "set goal='max_confidence'", None),
+    (dict(mode="cascade", threshold=0.5, goal="misclassify"), "set goal='max_confidence'", None),
     (dict(budget=100.0), "budget is a cascade setting", ["--budget", "100"]),
     (dict(mode="cascade", budget=0.0), "budget must be a number of model passes > 0", None),
     (dict(segments=3), "segments is a cascade setting", ["--segments", "3"]),
@@ -241,12 +297,17 @@ _BAD = [
 
 @pytest.mark.parametrize("fields, message, flags", _BAD)
 def test_every_bad_value_is_one_error_from_check(fields, message, flags, tmp_path, capsys):
-    plan = Plan(**{**_GOOD, **fields})
+    # A setting with no field to hold it (a cascade setting on a full plan, an unknown mode) is
+    # refused where the flat names are routed; every other bad value by check.
+    unplaceable = "cascade setting" in message or message.startswith("mode must be one of")
     with pytest.raises(ValueError, match=re.escape(message)):
-        plan.check()
-    # The API refuses it before touching the model or the data.
-    with pytest.raises(ValueError, match=re.escape(message)):
-        jaxbundle.evaluate(None, None, None, plan)
+        Plan.of(**{**_GOOD, **fields}).check()
+    if unplaceable:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            Plan.of(**{**_GOOD, **fields})
+    else:  # the API refuses it before touching the model or the data
+        with pytest.raises(ValueError, match=re.escape(message)):
+            jaxbundle.evaluate(None, None, None, Plan.of(**{**_GOOD, **fields}))
     if flags is not None:
         argv = ["evaluate", "--dry-run", "--out", str(tmp_path), "--cache-dir", str(tmp_path)]
         if "--attacks" not in flags:
@@ -258,12 +319,12 @@ def test_every_bad_value_is_one_error_from_check(fields, message, flags, tmp_pat
 
 def test_the_model_dependent_rules(tmp_path):
     params, x, y = linear_problem(n=4, k=3)
-    plan = Plan(eps=0.1, attacks=("fgsm",), eot=2)
+    plan = Plan.of(eps=0.1, attacks=("fgsm",), eot=2)
     with pytest.raises(ValueError, match="eot=2 but the model is deterministic"):
         jaxbundle.evaluate(linear_apply, params, (images(x), y), plan)
     with pytest.raises(ValueError, match="judge_calls is for stochastic models"):
         jaxbundle.evaluate(linear_apply, params, (images(x), y),
-                           Plan(eps=0.1, attacks=("fgsm",), judge_calls=4))
+                           Plan.of(eps=0.1, attacks=("fgsm",), judge_calls=4))
     with pytest.raises(TypeError, match="plan must be a jaxbundle.Plan"):
         jaxbundle.evaluate(linear_apply, params, (images(x), y), bundles.BUNDLES["fast"])
 
@@ -321,7 +382,7 @@ def test_a_resumed_run_refuses_any_changed_plan_field(tmp_path):
     """The same plan resumes (nothing left to run: the same result); a plan that differs in
     any field is refused with the field named, before anything runs."""
     params, x, y, eps = _toy()
-    base = Plan(eps=eps, attacks=("fgsm", "pgd-ce"), steps=3, batch_size=6)
+    base = Plan.of(eps=eps, attacks=("fgsm", "pgd-ce"), steps=3, batch_size=6)
     first = jaxbundle.evaluate(linear_apply, params, (x, y), base, checkpoint_dir=str(tmp_path))
     again = jaxbundle.evaluate(linear_apply, params, (x, y), base, checkpoint_dir=str(tmp_path))
     np.testing.assert_array_equal(again.per_example["success"], first.per_example["success"])
@@ -334,9 +395,9 @@ def test_a_resumed_run_refuses_any_changed_plan_field(tmp_path):
         ("restart_mode", "cascade", "plan.run.restart_mode"),
     ]
     for field, value, path in changes:
-        plan = base.replace(**{field: value})
-        if field in ("focus", "segments", "budget", "buckets", "restart_mode"):
-            plan = plan.replace(**cascades)
+        plan = base.replace(**{field: value}, **(
+            cascades if field in ("focus", "segments", "budget", "buckets", "restart_mode")
+            else {}))
         if field == "norm":
             plan = plan.replace(eps=1.0)
         with pytest.raises(ValueError, match=re.escape(path)) as err:
@@ -352,7 +413,7 @@ def test_a_resumed_stochastic_run_refuses_changed_stochastic_options(tmp_path):
     noisy = jaxbundle.stochastic(
         lambda p, xb, key: linear_apply(p, xb + 0.01 * jax.random.normal(key, xb.shape)),
         calls=4)
-    base = Plan(eps=eps, attacks=(attacks_lib.fgsm(),), goals=("misclassify",), batch_size=6)
+    base = Plan.of(eps=eps, attacks=(attacks_lib.fgsm(),), goals=("misclassify",), batch_size=6)
     jaxbundle.evaluate(noisy, params, (x, y), base, checkpoint_dir=str(tmp_path))
     for field, value in (("eot", 2), ("judge_calls", 8), ("success_threshold", 0.25)):
         with pytest.raises(ValueError, match=re.escape(f"plan.stochastic.{field}")):
@@ -365,7 +426,7 @@ def test_a_threshold_selects_the_max_confidence_goal():
     given beside it is kept, and a threshold without that goal is still refused by check."""
     plan = bundles.default("linf", 0.3).replace(goals=("misclassify", "max_confidence"),
                                                   threshold=0.5)
-    assert plan.goal == "max_confidence" and plan.check() is plan
+    assert plan.schedule.goal == "max_confidence" and plan.check() is plan
     kept = plan.replace(threshold=0.5, goal="misclassify")
     with pytest.raises(ValueError, match="set goal='max_confidence'"):
         kept.check()

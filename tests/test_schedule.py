@@ -30,16 +30,16 @@ def _cascade(atts, params, x, y, ids, eps, *, goal_names, norm="linf", judging="
              **schedule):
     """schedule.cascade under a checked cascade plan with these attacks and settings (the
     plan's eps is the largest radius; the batch's own, possibly per example, is passed)."""
-    plan = Plan(eps=float(np.max(eps)), norm=norm, judging=judging, attacks=tuple(atts),
-                goals=goal_names, mode="cascade", **schedule).check()
-    model = Model(linear_apply, params, tuple(atts), goal_names, KEY, None)
-    return cascade(plan, model, Batch(x, y, ids, None, None), eps)
+    plan = Plan.of(eps=float(np.max(eps)), norm=norm, judging=judging, attacks=tuple(atts),
+                   goals=goal_names, mode="cascade", **schedule).check()
+    model = Model(params, tuple(atts), KEY, None, plan.rules(linear_apply, tuple(atts)))
+    return cascade(plan.schedule, model, Batch(x, y, ids, None, None), eps)
 
 
 def _evaluate(params, x, y, atts, eps, **plan):
     """jaxbundle.evaluate of the linear toy under a plan of these attacks (no mesh)."""
     plan.setdefault("goals", ("misclassify",))
-    return evaluate(linear_apply, params, (x, y), Plan(eps=eps, attacks=tuple(atts), **plan),
+    return evaluate(linear_apply, params, (x, y), Plan.of(eps=eps, attacks=tuple(atts), **plan),
                     mesh=None)
 
 
@@ -320,7 +320,7 @@ def test_cascade_equals_full_on_a_flax_cnn():
     atts = (attacks_lib.fgsm(), attacks_lib.pgd(steps=10), attacks_lib.square("linf", queries=51))
     runs = {
         mode: evaluate(apply_fn, params, (test.x, test.y),
-                       Plan(eps=0.05, attacks=atts, batch_size=24, goals=("misclassify",),
+                       Plan.of(eps=0.05, attacks=atts, batch_size=24, goals=("misclassify",),
                             mode=mode), mesh=None)
         for mode in ("full", "cascade")
     }
@@ -460,13 +460,13 @@ def test_after_a_probe_that_fools_survivors_more_of_the_stage_goes_on():
     ],
 )
 def test_bad_probe_is_one_clear_error(probe, focus, message):
-    plan = Plan(eps=0.1, attacks=(attacks_lib.fgsm(), attacks_lib.square("linf", queries=41,
+    plan = Plan.of(eps=0.1, attacks=(attacks_lib.fgsm(), attacks_lib.square("linf", queries=41,
                                                                          name="sq")),
-                goals=("misclassify",), mode="cascade", focus=focus, probe=probe)
+                   goals=("misclassify",), mode="cascade", focus=focus, probe=probe)
     with pytest.raises(ValueError, match=re.escape(message)):
         plan.check()
     with pytest.raises(ValueError, match=re.escape("needs mode='cascade'")):
-        plan.replace(mode="full", focus=()).check()
+        plan.replace(mode="full", probe=probe)
 
 
 @pytest.mark.parametrize(
@@ -480,7 +480,7 @@ def test_bad_probe_is_one_clear_error(probe, focus, message):
     ],
 )
 def test_bad_focus_is_one_clear_error(focus, goal, message):
-    plan = Plan(eps=0.1, attacks=(attacks_lib.fgsm(),), goals=("misclassify", goal),
+    plan = Plan.of(eps=0.1, attacks=(attacks_lib.fgsm(),), goals=("misclassify", goal),
                 mode="cascade", goal=goal, focus=focus)
     with pytest.raises(ValueError, match=re.escape(message)):
         plan.check()

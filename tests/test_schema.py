@@ -30,7 +30,7 @@ def test_the_docs_show_the_schema_tables():
 def test_an_evaluation_record_has_every_field_and_only_those(mode):
     params, x, y = linear_problem(n=16, k=4, seed=1)
     eps = float(np.quantile(min_distance(params, x, y, "linf"), 0.5))
-    plan = jaxbundle.Plan(eps=eps, attacks=("fgsm", "pgd-ce", "square"), steps=3, queries=20,
+    plan = jaxbundle.Plan.of(eps=eps, attacks=("fgsm", "pgd-ce", "square"), steps=3, queries=20,
                           mode=mode)
     ev = jaxbundle.evaluate(linear_apply, params, (images(x), y), plan)
     m = ev.metrics
@@ -61,7 +61,7 @@ def test_a_stochastic_record_documents_every_array():
     noisy = jaxbundle.stochastic(
         lambda p, xb, key: linear_apply(p, xb + 0.02 * jax.random.normal(key, xb.shape)), calls=4)
     ev = jaxbundle.evaluate(noisy, params, (images(x), y),
-                            jaxbundle.Plan(eps=eps, attacks=("fgsm",), goals=("misclassify",)))
+                            jaxbundle.Plan.of(eps=eps, attacks=("fgsm",), goals=("misclassify",)))
     assert list(ev.metrics) == FIELDS and ev.metrics["stochastic"] is not None
     documented = {name for name, _ in schema.PER_EXAMPLE}
     assert {"success_rate", "selection_success_rate", "clean_success_rate"} <= set(ev.per_example)
@@ -69,7 +69,7 @@ def test_a_stochastic_record_documents_every_array():
 
 
 def test_nothing_undocumented_gets_in():
-    plan = jaxbundle.Plan(eps=0.1, attacks=("fgsm",))
+    plan = jaxbundle.Plan.of(eps=0.1, attacks=("fgsm",))
     with pytest.raises(ValueError, match=r"\['new_figure'\] are not in the report schema"):
         schema.model_record(plan, {"robust_accuracy": 1.0, "new_figure": 2})
     with pytest.raises(ValueError, match="not in the report schema"):

@@ -336,7 +336,7 @@ def test_reported_robust_accuracy_counts_the_held_out_rate(mode):
     n, calls, p = 1000, 16, 0.45
     model = jaxbundle.stochastic(_bernoulli_model, calls=calls, threshold=0.5)
     x, y = _toy(n)
-    plan = jaxbundle.Plan(eps=0.5, attacks=CANDIDATES, batch_size=n, goals=("misclassify",),
+    plan = jaxbundle.Plan.of(eps=0.5, attacks=CANDIDATES, batch_size=n, goals=("misclassify",),
                           judging="float", mode=mode)
     ev = jaxbundle.evaluate(model, {"p": jnp.float32(p)}, (np.asarray(x), np.asarray(y)), plan)
     pe, s = ev.per_example, ev.metrics["stochastic"]
@@ -469,9 +469,9 @@ def test_cascade_on_a_stochastic_model_fools_what_the_full_bundle_fools(segments
     goals = goals_for(("misclassify",), atts)
     ids = jnp.arange(len(y), dtype=jnp.int32)
     full = bundle(atts, model, params, x, y, KEY, eps=eps, goals=goals, example_id=ids)
-    plan = jaxbundle.Plan(eps=eps, attacks=tuple(atts), goals=("misclassify",), mode="cascade",
-                          segments=segments).check(model)
-    res, _ = cascade(plan, Model(model, params, tuple(atts), goals, KEY, None),
+    plan = jaxbundle.Plan.of(eps=eps, attacks=tuple(atts), goals=("misclassify",),
+                             mode="cascade", segments=segments).check(model)
+    res, _ = cascade(plan.schedule, Model(params, tuple(atts), KEY, None, plan.rules(model, atts)),
                      Batch(x, y, ids, None, None), eps)
 
     def fooled(r):
@@ -503,7 +503,7 @@ def test_evaluation_reports_rates_and_the_randomness_check():
     params, x, y, eps = _noisy_problem(n=20)
     model = jaxbundle.stochastic(noisy_linear, calls=8)
     pgd = attacks_lib.pgd(steps=5)
-    plan = Plan(eps=eps, attacks=(pgd,), batch_size=8, goals=("misclassify",))
+    plan = Plan.of(eps=eps, attacks=(pgd,), batch_size=8, goals=("misclassify",))
     # EOT as a plan field: every attack averages 4 samples per call (jaxbundle.with_eot).
     ev = evaluate(model, params, (x, y), plan.replace(eot=4))
     pe, s = ev.per_example, ev.metrics["stochastic"]
@@ -534,8 +534,8 @@ def test_evaluation_reports_rates_and_the_randomness_check():
     ignores = jaxbundle.stochastic(lambda p, x_, key: linear_apply(p, x_), calls=4)
     checked = randomness(ignores, plan.replace(eot=2))
     assert "every attack averages pgd-ce 2" in checked.saw and not checked.passed
-    for deterministic in (Plan(eps=eps, attacks=tuple(jaxbundle.with_eot([pgd], 2))),
-                          Plan(eps=eps, attacks=(pgd,), eot=2)):
+    for deterministic in (Plan.of(eps=eps, attacks=tuple(jaxbundle.with_eot([pgd], 2))),
+                          Plan.of(eps=eps, attacks=(pgd,), eot=2)):
         with pytest.raises(ValueError, match="eot=2 but the model is deterministic"):
             evaluate(linear_apply, params, (x, y), deterministic)
 
@@ -549,7 +549,7 @@ def test_attacks_given_with_eot_keep_it_in_an_evaluation():
     params, x, y, eps = _noisy_problem(n=8)
     model = jaxbundle.stochastic(noisy_linear, calls=8)
     pgd = attacks_lib.pgd(steps=5)  # as in the test above: its program (a batch of 8), run again
-    plan = Plan(eps=eps, attacks=(pgd,), goals=("misclassify",))
+    plan = Plan.of(eps=eps, attacks=(pgd,), goals=("misclassify",))
     given = evaluate(model, params, (x, y), plan.replace(attacks=jaxbundle.with_eot([pgd], 4)))
     by_plan = evaluate(model, params, (x, y), plan.replace(eot=4))
     assert given.metrics["stochastic"]["eot"] == {"pgd-ce": 4}

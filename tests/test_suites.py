@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from jaxbundle import Plan, attacks, bundles, suites
+from jaxbundle import Plan, Threat, attacks, bundles, suites
 from jaxbundle.schedule import probe_steps
 
 
@@ -123,9 +123,9 @@ def test_autoattack_bundle_has_autoattacks_original_parameters():
         sq = aa["square-aa"]
         assert sq.queries == 5000 and sq.config.p_init == 0.8
         assert sq.config.rescale_schedule is False
-    assert bundles.BUNDLES["autoattack"].mode == "cascade"
+    assert bundles.BUNDLES["autoattack"].schedule == bundles.Cascade(buckets=8)
     plan = bundles.autoattack("linf", 0.3)
-    assert (plan.mode, plan.focus, plan.segments, plan.bundle) == ("cascade", (), 1, "autoattack")
+    assert plan.schedule == bundles.Cascade(buckets=8) and plan.suite.bundle == "autoattack"
 
 
 def test_default_bundle_is_a_focused_cascade_within_its_stated_share_of_autoattacks_budget():
@@ -149,8 +149,8 @@ def test_default_bundle_is_a_focused_cascade_within_its_stated_share_of_autoatta
             assert d["fab-t"].num_steps == 100 and d["fab-t"].num_restarts == 9
             assert d["fab-t"].config.fresh
         plan = bundles.default(norm, 0.3)
-        focus, probe = plan.focus_map, plan.probe_map
-        assert plan.escalate_map == ({"fab-t": 0.05} if fab else {})
+        focus, probe = plan.schedule.focus_map, plan.schedule.probe_map
+        assert plan.schedule.escalate_map == ({"fab-t": 0.05} if fab else {})
         assert focus == {"apgd-ce-long": 0.5, "apgd-t5": 0.5, "square-aa": 0.06}
         assert probe == {"square-aa": 0.05}
         aa = bundles.bundle_attacks("autoattack", norm)
@@ -163,17 +163,17 @@ def test_default_bundle_is_a_focused_cascade_within_its_stated_share_of_autoatta
             if a.name in probe:
                 ran = probe_steps(a, probe[a.name])
                 return ran + focus[a.name] * (passes(a) - ran)
-            if a.name in plan.escalate_map:
+            if a.name in plan.schedule.escalate_map:
                 return 0.0  # held back: the stage before it fooled nothing
             return passes(a) * focus.get(a.name, 1.0)
 
         mine = sum(spent(a) for a in d.values())
         assert mine < share * sum(passes(a) for a in aa)
     default = bundles.default("linf", 0.3)
-    assert (default.mode, default.segments, default.bundle) == ("cascade", 6, "default")
-    assert bundles.BUNDLES["default"].segments == 6
-    pgd = bundles.pgd("linf", 0.3)
-    assert (pgd.mode, pgd.focus, pgd.segments) == ("full", (), 1)
+    assert (default.schedule.mode, default.schedule.segments, default.suite.bundle) == (
+        "cascade", 6, "default")
+    assert bundles.BUNDLES["default"].schedule.segments == 6
+    assert bundles.pgd("linf", 0.3).schedule == bundles.Full()
     assert "fmn" in {a.name for a in bundles.bundle_attacks("broad", "linf")}
 
 
@@ -181,7 +181,7 @@ def test_a_bundle_is_a_plan_whose_fields_can_be_changed():
     """``bundles.plan(name, norm, eps, **fields)`` is the bundle's checked plan with ``fields``
     changed; its attacks are the ones ``bundle_attacks`` builds, and a bad field is refused."""
     plan = bundles.plan("pgd", "linf", 0.3, steps=7, seed=2)
-    assert isinstance(plan, Plan) and (plan.eps, plan.norm, plan.seed) == (0.3, "linf", 2)
+    assert isinstance(plan, Plan) and plan.threat == Threat(0.3, "linf") and plan.run.seed == 2
     assert plan.attack_values() == bundles.bundle_attacks("pgd", "linf", steps=7)
     assert bundles.fast("l2", 0.5) == bundles.plan("fast", "l2", 0.5)
     assert [a.name for a in bundles.broad("l2", 0.5).attack_values()] == [

@@ -217,10 +217,12 @@ def cached_autoattack(cache: str | None, key: str, compute: Callable[[], dict],
 def register(variant: dict) -> str:
     """Registers a variant as a named bundle; returns its name."""
     name = f"variant-{variant['name']}"
+    schedule = (bundles.Cascade(focus=variant.get("focus", {}),
+                                segments=variant.get("segments", 1),
+                                probe=variant.get("probe", {}))
+                if variant.get("mode", "cascade") == "cascade" else bundles.Full())
     bundles.BUNDLES[name] = bundles.Bundle(
-        tuple((AttackSpec(a, **o), None) for a, o in variant["bundle"]),
-        variant.get("mode", "cascade"), tuple(variant.get("focus", {}).items()),
-        variant.get("segments", 1), tuple(variant.get("probe", {}).items()))
+        tuple((AttackSpec(a, **o), None) for a, o in variant["bundle"]), schedule)
     return name
 
 
@@ -284,7 +286,7 @@ def run_candidate(name, extra, apply_fn, params, x, y, eps, norm, rounds, aa, se
 
 
 def _screen(apply_fn, params, x, y, eps, norm) -> float:
-    plan = jaxbundle.Plan(eps=eps, norm=norm, attacks=(AttackSpec("apgd-ce", steps=20),),
+    plan = jaxbundle.Plan.of(eps=eps, norm=norm, attacks=(AttackSpec("apgd-ce", steps=20),),
                           goals=("misclassify",), batch_size=len(y))
     return 100 * float(_robust(jaxbundle.evaluate(apply_fn, params, (x, y), plan, mesh=None,
                                                   keep_images=False)).mean())

@@ -47,8 +47,8 @@ def radius(plan: Any, on_grid: jax.Array) -> jax.Array:
     """``[B]`` the radius to certify: every image the judge would accept lies within it (the
     grid's radius on the 8-bit grid, eps elsewhere, both with the judge's float slack,
     :func:`jaxbundle.core.norms.ball_limit`)."""
-    grid = norms.ball_limit(norms.grid_radius(plan.eps, plan.norm))
-    return jnp.where(jnp.asarray(on_grid, bool), grid, norms.ball_limit(plan.eps))
+    grid = norms.ball_limit(norms.grid_radius(plan.threat.eps, plan.threat.norm))
+    return jnp.where(jnp.asarray(on_grid, bool), grid, norms.ball_limit(plan.threat.eps))
 
 
 @functools.partial(jax.jit, static_argnames=("apply_fn", "method", "norm", "replicated"))
@@ -79,10 +79,10 @@ def _certified_radius(apply_fn: Callable, params: Any, x: jax.Array, y: jax.Arra
 
 def _bound_outputs(plan: Any, model: Any, x: jax.Array, y: jax.Array, eps: jax.Array
                    ) -> dict[str, np.ndarray]:
-    method = "crown" if plan.certify == "complete" else plan.certify
+    method = "crown" if plan.certify.method == "complete" else plan.certify.method
     replicated = None if model.mesh is None else NamedSharding(model.mesh, PartitionSpec())
     margin = np.asarray(_bound_margin(model.apply_fn, model.params, x, y, eps, method=method,
-                                      norm=plan.norm, replicated=replicated))
+                                      norm=plan.threat.norm, replicated=replicated))
     clean, gap, scale = (np.asarray(v) for v in _clean_margin(
         model.apply_fn, model.params, x, y, replicated=replicated))
     if gap > 1e-6 * max(float(scale), 1.0):
@@ -94,9 +94,9 @@ def _bound_outputs(plan: Any, model: Any, x: jax.Array, y: jax.Array, eps: jax.A
     out = {"certified": margin > 0, "bound_margin": margin.astype(np.float32),
            "clean_margin": clean.astype(np.float32)}
     if "min_norm" in plan.goal_names:  # the certified curve beside the attacks' P(D)
-        top = float(curves.distortion_grid(plan.norm)[-1])
+        top = float(curves.distortion_grid(plan.threat.norm)[-1])
         out["certified_radius"] = np.asarray(_certified_radius(
-            model.apply_fn, model.params, x, y, top, method=method, norm=plan.norm,
+            model.apply_fn, model.params, x, y, top, method=method, norm=plan.threat.norm,
             replicated=replicated))
     return out
 
@@ -129,14 +129,15 @@ def _exact(plan: Any, model: Any, x: np.ndarray, y: np.ndarray, eps: np.ndarray,
     from jaxbundle.certify import complete  # SciPy's MIP solver: loaded when used
 
     status = np.zeros(len(x), np.int8)
-    limit = plan.certify_time_limit or TIME_LIMIT
+    limit = plan.certify.time_limit or TIME_LIMIT
     for i in np.flatnonzero(open_):
         (decision,) = complete.complete(model.apply_fn, model.params, x[i:i + 1], y[i:i + 1],
                                         eps=float(eps[i]), time_limit=limit)
         status[i] = EXACT[decision.status]
         if decision.status == "attacked" and on_grid[i]:
             point = jnp.asarray(decision.x.reshape(x[i:i + 1].shape))
-            rounded = norms.quantize(point, jnp.asarray(x[i:i + 1]), plan.eps, plan.norm)
+            rounded = norms.quantize(point, jnp.asarray(x[i:i + 1]), plan.threat.eps,
+                                     plan.threat.norm)
             if not _misclassified(model.apply_fn, model.params, rounded, y[i]):
                 status[i] = EXACT["off_grid"]
     return status
@@ -157,16 +158,16 @@ def batch(plan: Any, model: Any, x: jax.Array, y: jax.Array, example_id: jax.Arr
     MIP; ``certified`` is then what either proved); with ``smoothing`` ``smoothed_prediction``
     and ``smoothed_radius``. A verdict is never changed to agree with the attacks: an example
     both certified and fooled stays both, and the ``certified_and_fooled`` check fires."""
-    if plan.certify in ("complete", "smoothing") and jax.process_count() > 1:
-        raise ValueError(f"certify={plan.certify!r} runs on the host of one process; across "
+    if plan.certify.method in ("complete", "smoothing") and jax.process_count() > 1:
+        raise ValueError(f"certify={plan.certify.method!r} runs on the host of one process; across "
                          "processes use ibp, crown-ibp or crown (sharded like the attacks)")
     on_grid = np.zeros(len(real), bool)
     on_grid[real] = outputs["judged_on_grid"]
     eps = radius(plan, on_grid)
-    if plan.certify == "smoothing":
+    if plan.certify.method == "smoothing":
         return _smoothed(plan, model, x, example_id, eps, real, outputs["label"])
     out = {k: v[real] for k, v in _bound_outputs(plan, model, x, y, eps).items()}
-    if plan.certify == "complete":
+    if plan.certify.method == "complete":
         fooled = outputs["success"].astype(bool)
         correct = outputs["clean_prediction"] == outputs["label"]
         bound = out["certified"]
@@ -189,7 +190,7 @@ def _smoothed(plan, model, x, example_id, eps, real, labels) -> dict[str, np.nda
     cert = smoothing.certify(model.apply_fn, model.params, np.asarray(x)[real], key=key,
                              n=SMOOTHING_SAMPLES, alpha=SMOOTHING_ALPHA,
                              example_id=np.asarray(example_id)[real])
-    scale = np.sqrt(np.prod(np.shape(x)[1:])) if plan.norm == "linf" else 1.0
+    scale = np.sqrt(np.prod(np.shape(x)[1:])) if plan.threat.norm == "linf" else 1.0
     right, l2_radius = np.asarray(cert.prediction) == labels, np.asarray(cert.radius)
     return {"certified": right & (l2_radius >= np.asarray(eps)[real] * scale),
             "smoothed_prediction": np.asarray(cert.prediction, np.int32),
@@ -211,17 +212,18 @@ def figures(plan: Any, per_example: dict[str, np.ndarray], robust_accuracy: floa
     n = max(len(per_example["label"]), 1)
     certified = per_example["certified"].astype(bool)
     lower = float(100.0 * certified.sum() / n)
+    method, threat = plan.certify.method, plan.threat
     record = {
-        "method": plan.certify,
-        "classifier": "smoothed" if plan.certify == "smoothing" else "model",
-        "radius": {"grid": norms.grid_radius(plan.eps, plan.norm), "float": plan.eps},
-        "arithmetic": arithmetic.PRECISION if plan.certify != "smoothing" else None,
+        "method": method,
+        "classifier": "smoothed" if method == "smoothing" else "model",
+        "radius": {"grid": norms.grid_radius(threat.eps, threat.norm), "float": threat.eps},
+        "arithmetic": arithmetic.PRECISION if method != "smoothing" else None,
         "certified_robust_accuracy": lower,
         "interval": None, "undecided": None, "certified_and_fooled": None,
         "bound_above_model": None, "exact": None, "smoothed": None,
         "seconds": seconds,
     }
-    if plan.certify == "smoothing":
+    if plan.certify.method == "smoothing":
         right = per_example["smoothed_prediction"] == per_example["label"]
         record["smoothed"] = {
             "clean_accuracy": float(100.0 * right.sum() / n),
@@ -278,7 +280,8 @@ def _statement(record: dict, plan: Any) -> str:
                 f"probability at most {SMOOTHING_ALPHA:g}), {s['abstained']} abstained; the "
                 "attacks' figure is the noisy model's, not an upper bound on this one")
     low, high = record["interval"]
-    text = (f"robust accuracy lies in [{low:.1f}, {high:.1f}] %: certified by {plan.certify} "
+    text = (f"robust accuracy lies in [{low:.1f}, {high:.1f}] %: certified by "
+            f"{plan.certify.method} "
             f"for the model at float32 Precision.HIGHEST, fooled by the attacks; "
             f"{record['undecided']} examples undecided")
     if record["exact"] is not None:

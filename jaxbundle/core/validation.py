@@ -6,6 +6,8 @@ and the evaluation plan (:meth:`jaxbundle.Plan.check`) share them; nothing here 
 
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any, Callable, Sequence
 
 import jax
@@ -21,6 +23,17 @@ from jaxbundle.core.judge import check_judging
 
 __all__ = ["check_attacks", "check_eot", "check_inputs", "check_labels", "check_pixels",
            "goals_for"]
+
+
+def is_int(value: Any) -> bool:
+    """A Python or numpy integer, not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, (bool, np.bool_))
+
+
+def is_number(value: Any) -> bool:
+    """A finite real number, not a bool."""
+    return (isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+            and math.isfinite(value))
 
 
 def check_pixels(x) -> None:

@@ -186,8 +186,8 @@ _FROM_EVALUATION = _FIELDS[: _FIELDS.index("model")]
 def model_record(plan: Any, figures: dict) -> dict:
     """A model's record from its plan and its figures: every field of :data:`MODEL_FIELDS` up
     to ``stochastic`` (the rest: :func:`with_extras`), in order, ``None`` where absent."""
-    figures = dict(figures, eps=plan.eps, norm=plan.norm, goals=list(plan.goal_names),
-                   plan=plan.describe())
+    figures = dict(figures, eps=plan.threat.eps, norm=plan.threat.norm,
+                   goals=list(plan.goal_names), plan=plan.describe())
     unknown = sorted(set(figures) - set(_FROM_EVALUATION))
     if unknown:
         raise ValueError(f"figures {unknown} are not in the report schema "

@@ -74,7 +74,7 @@ One host sync per stage (the survivors' count), and one per segment; none per st
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -85,10 +85,9 @@ from jaxbundle.core import goals as goals_lib
 from jaxbundle.attacks.base import Attack, per_example_keys
 from jaxbundle.core import bundler
 from jaxbundle.core.bundler import BestState, BundleResult, fold, glue_jit
-from jaxbundle.plan import Plan
 
 __all__ = [
-    "PROBE_GAIN", "Batch", "Model", "Stage", "bucket_sizes", "cascade", "escalates", "rules_of",
+    "PROBE_GAIN", "Batch", "Model", "Stage", "bucket_sizes", "cascade", "escalates",
     "probe_steps", "promise", "satisfied",
 ]
 
@@ -100,14 +99,23 @@ PROBE_GAIN = 20.0
 
 
 class Model(NamedTuple):
-    """What every batch of one evaluation shares: the model, the built attacks and the mesh."""
+    """What every batch of one evaluation shares: the model's parameters, the built attacks,
+    the run's key, the mesh and the bundler's static rules (the model's apply function and the
+    goals tracked among them)."""
 
-    apply_fn: Callable
     params: Any  # replicated over the mesh, if any
     attacks: tuple[Attack, ...]
-    goal_names: tuple[str, ...]
-    key: jax.Array  # jax.random.key(plan.seed)
+    key: jax.Array  # jax.random.key(plan.run.seed)
     mesh: Mesh | None
+    rules: bundler.Rules
+
+    @property
+    def apply_fn(self) -> Callable:
+        return self.rules.apply_fn
+
+    @property
+    def goal_names(self) -> tuple[str, ...]:
+        return self.rules.goal_names
 
 
 class Batch(NamedTuple):
@@ -120,11 +128,17 @@ class Batch(NamedTuple):
     real: np.ndarray
 
 
-def rules_of(plan: Plan, model: Model) -> bundler.Rules:
-    """The bundler's static rules of the plan's run on the model (the full runner's and every
-    stage of a cascade's)."""
-    return bundler.Rules(model.apply_fn, model.goal_names, plan.norm, plan.judging,
-                         plan.restart_mode, plan.unroll)
+class Settings(Protocol):
+    """What the cascade reads of its settings (:class:`jaxbundle.run.runners.Cascade`)."""
+
+    goal: str
+    threshold: float | None
+    budget: float | None
+    segments: int
+    buckets: int
+    focus_map: dict[str, float]
+    probe_map: dict[str, float]
+    escalate_map: dict[str, float]
 
 
 class Stage(NamedTuple):
@@ -244,10 +258,10 @@ def _put(a, rows, values):
 
 
 class _Batch(NamedTuple):
-    """What every stage of one cascade shares: the plan, the run's rules, the batch and how it
-    is read."""
+    """What every stage of one cascade shares: its settings, the run's rules, the batch and how
+    it is read."""
 
-    plan: Plan
+    schedule: Settings
     rules: bundler.Rules
     params: Any
     x: jax.Array
@@ -341,7 +355,7 @@ def _segmented_stage(b: _Batch, attack: Attack, k: int, order: np.ndarray, best,
         last = t == attack.num_steps
         judged = bundler.judge_stage(b.params, running, x, y, eps, jnp.int32(t), jnp.bool_(last),
                                      driver=driver)
-        ranks = _progress(judged.best, running.clean.score, b.plan.goal) if probing else None
+        ranks = _progress(judged.best, running.clean.score, b.schedule.goal) if probing else None
         # A row that stopped earlier keeps its result: its repeats here merge the same values.
         keep = _padded(np.flatnonzero(live), rows.size) if not live.all() else None
         merged_rows = rows if keep is None else rows[keep]
@@ -355,7 +369,8 @@ def _segmented_stage(b: _Batch, attack: Attack, k: int, order: np.ndarray, best,
         improving = _put(improving, merged_rows, found_improving)
         if last:
             break
-        done, _ = b.host(_status(best, b.eps, b.plan.goal, b.plan.threshold, False))  # 1 sync
+        schedule = b.schedule
+        done, _ = b.host(_status(best, b.eps, schedule.goal, schedule.threshold, False))  # a sync
         live &= ~done[rows]
         if probing:
             before = int(live.sum())
@@ -402,8 +417,8 @@ def _run_stage(b: _Batch, attack: Attack, *args,
     judging), so its glue compiles fast (:func:`jaxbundle.core.bundler.glue_jit`): a whole-stage
     program compiled at XLA's defaults made a cascade of the standard bundle compile 14 s
     where the full bundle's one program took 9 s."""
-    segments = b.plan.segments
-    never_done = any(goals_lib.GOALS[g].satisfied is None for g in (b.plan.goal, attack.goal))
+    segments = b.schedule.segments
+    never_done = any(goals_lib.GOALS[g].satisfied is None for g in (b.schedule.goal, attack.goal))
     if probe is None and (attack.num_steps < segments or never_done):
         segments = 1
     return _segmented_stage(b, attack, *args, segments, probe, first)
@@ -464,14 +479,14 @@ def _stage(b: _Batch, k: int, whole: Attack, chosen: np.ndarray, survivors: int,
     stage (the plan's ``probe``) starts each part with its probe. Returns the batch's bests and
     attack rows, the :class:`Stage` and the gradients and queries each example paid (host
     ``[B]``)."""
-    plan, batch = b.plan, int(b.y.shape[0])
-    focus, probes = plan.focus_map, plan.probe_map
+    schedule, batch = b.schedule, int(b.y.shape[0])
+    focus, probes = schedule.focus_map, schedule.probe_map
     grads, asked = np.zeros(batch, np.int64), np.zeros(batch, np.int64)
     stage, row_steps = Stage(k, int(chosen.size), 0, 0, 0, survivors), 0
-    for attack, first in _restart_parts(whole, plan.restart_mode):
+    for attack, first in _restart_parts(whole, b.rules.restart_mode):
         order = chosen
         if first:  # a later restart of a cascade of restarts: on what the others left
-            done, closeness = b.host(_status(best, b.eps, plan.goal, plan.threshold,
+            done, closeness = b.host(_status(best, b.eps, schedule.goal, schedule.threshold,
                                              whole.name in focus))
             order = chosen[~done[chosen]]
         if order.size == 0:
@@ -491,19 +506,18 @@ def _stage(b: _Batch, k: int, whole: Attack, chosen: np.ndarray, survivors: int,
     return best, rows, stage, grads, asked
 
 
-def cascade(plan: Plan, model: Model, batch: Batch,
+def cascade(schedule: Settings, model: Model, batch: Batch,
             eps: jax.Array) -> tuple[BundleResult, list[Stage]]:
-    """Runs the model's attacks on one batch as a cascade under ``plan`` (see the module
-    docstring).
+    """Runs the model's attacks on one batch as a cascade with the settings ``schedule`` (see
+    the module docstring).
 
     Args:
-      plan: a checked :class:`jaxbundle.Plan`: its threat model and schedule (``goal``,
-        ``threshold``, ``budget``: model passes per example on average over the real rows,
-        ``focus``, ``segments``, ``buckets``; see the module docstring), ``restart_mode``
-        (``"cascade"``: a stage's restarts one after another; the stages loop with
-        ``lax.fori_loop``: ``unroll`` is the full bundle's).
-      model: the model, its attacks as built for it (EOT applied), the goals the bundle tracks
-        (:func:`jaxbundle.core.bundler.goals_for`), the run's key and the 1-D ``("batch",)`` mesh
+      schedule: a checked :class:`jaxbundle.run.runners.Cascade` (``goal``, ``threshold``,
+        ``budget``: model passes per example on average over the real rows, ``focus``,
+        ``probe``, ``escalate``, ``segments``, ``buckets``; see the module docstring).
+      model: the model's parameters, its attacks as built for it (EOT applied), the run's key,
+        the bundler's rules (the goals tracked; ``restart_mode="cascade"``: a stage's restarts
+        one after another; ``unroll``, the full bundle's) and the 1-D ``("batch",)`` mesh
         the batch is sharded over, if any: bucket sizes are multiples of its size, and the
         survivors' mask is replicated before it is read, so every process reads the same mask
         and runs the same programs.
@@ -518,25 +532,25 @@ def cascade(plan: Plan, model: Model, batch: Batch,
     """
     attacks, params, mesh = tuple(model.attacks), model.params, model.mesh
     x, y, key, example_id = batch.x, batch.y, model.key, batch.example_id
-    focus, probes, escalate = plan.focus_map, plan.probe_map, plan.escalate_map
+    focus, probes, escalate = schedule.focus_map, schedule.probe_map, schedule.escalate_map
     n = int(y.shape[0])
     real = np.ones(n, bool) if batch.real is None else np.asarray(batch.real, bool)
     eps = jnp.broadcast_to(jnp.asarray(eps, jnp.float32), y.shape)
-    rules = rules_of(plan, model)
+    rules = model.rules
     best, clean, eps_aimed, grid = _start(params, x, y, key, example_id, eps, rules=rules)
     multiple = 1 if mesh is None else mesh.devices.size
-    b = _Batch(plan, rules, params, x, y, key, example_id, eps, eps_aimed,
-               bucket_sizes(n, multiple, plan.buckets),
+    b = _Batch(schedule, rules, params, x, y, key, example_id, eps, eps_aimed,
+               bucket_sizes(n, multiple, schedule.buckets),
                bucket_sizes(n, multiple, per_halving=1),
                _host_reader(mesh))
     rows = _AttackRows.empty(len(attacks), n)
     spent = np.zeros(n, np.int64)  # model passes per example so far (host)
     gradients = np.zeros(n, np.int64)
     queries = np.zeros(n, np.int64)
-    left = None if plan.budget is None else float(plan.budget) * int(real.sum())
+    left = None if schedule.budget is None else float(schedule.budget) * int(real.sum())
     stages = []
     for k, whole in enumerate(attacks):
-        done, closeness = b.host(_status(best, eps, plan.goal, plan.threshold,
+        done, closeness = b.host(_status(best, eps, schedule.goal, schedule.threshold,
                                          whole.name in focus))
         survivors = np.flatnonzero(real & ~done)
         held_back = whole.name in escalate and not escalates(stages[-1], survivors.size,

@@ -1,86 +1,231 @@
-"""The two runners of an evaluation: ``full`` and ``cascade``, behind one small interface.
+"""The two schedules of an evaluation, :class:`Full` and :class:`Cascade`: each both the plan's
+setting and the runner that carries it out (as optimistix's solvers are both their
+configuration and their algorithm).
 
-A runner attacks one batch (:meth:`Runner.run`: its counts, per-example outputs and what each
-stage spent) and then says what its schedule adds to the figures (:meth:`Runner.figures`).
-``full`` runs every attack on every example in one jitted program (the many-attack table);
-``cascade`` runs :func:`jaxbundle.run.cascade.cascade` (each attack on the survivors of the ones
-before, with the plan's focus, segments and budget) and summarises its result in a second
-program. The evaluation driver (:mod:`jaxbundle.evaluation`) picks one by the plan's ``mode``.
+A schedule attacks one batch (``run``: its counts, per-example outputs and what each stage
+spent) and then says what it adds to the figures (``figures``). :class:`Full` runs every attack
+on every example in one jitted program (the many-attack table); :class:`Cascade` runs
+:func:`jaxbundle.run.cascade.cascade` (each attack on the survivors of the ones before, with
+its goal, focus, probe, escalate, segments and budget) and summarises its result in a second
+program. The evaluation driver (:mod:`jaxbundle.evaluation`) calls the plan's
+``schedule``; nothing dispatches on a name.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Protocol
+from typing import Any, ClassVar, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxbundle.run import checks as checks_lib
-from jaxbundle.run import cascade as schedule_lib
+from jaxbundle.attacks.base import Attack
+from jaxbundle.core import goals as goals_lib
 from jaxbundle.core.bundler import glue_jit, held_out, run
 from jaxbundle.core.canonical import fast_gradients
+from jaxbundle.core.sampling import is_stochastic
+from jaxbundle.core.validation import is_int, is_number
 from jaxbundle.report.metrics import Counts, Setting
 from jaxbundle.report.outputs import per_example_arrays
-from jaxbundle.plan import Plan
-from jaxbundle.core.sampling import is_stochastic
+from jaxbundle.run import cascade as cascade_lib
+from jaxbundle.run import checks as checks_lib
 from jaxbundle.run.cascade import Batch, Model
 
-__all__ = ["RUNNERS", "Batch", "Model", "Runner", "runner"]
+__all__ = ["MAX_BUCKETS", "Batch", "Cascade", "Full", "Model", "Schedule"]
+
+MAX_BUCKETS = 64  # bucket sizes per halving of the batch, at most
 
 
-class Runner(Protocol):
-    """Runs a plan's attacks on one batch, and says what its schedule adds to the figures."""
+class Schedule(Protocol):
+    """Runs a plan's attacks on one batch, and says what it adds to the figures."""
 
-    def run(self, plan: Plan, model: Model, batch: Batch) -> tuple[Counts, dict, np.ndarray]:
+    mode: ClassVar[str]  # "full" or "cascade": the report's and the CLI's name
+
+    def check(self, attacks: tuple[Attack, ...], goal_names: tuple[str, ...]) -> None:
+        """Raises ``ValueError`` with one line naming the first bad setting."""
+
+    def describe(self) -> dict:
+        """The plan's ``schedule`` section (every setting, the cascade's defaults in full)."""
+
+    def run(self, model: Model, batch: Batch, eps: float) -> tuple[Counts, dict, np.ndarray]:
         """The batch's counts and per-example outputs (device arrays, replicated) and each
         stage's counts ``[A, STAGE_COLUMNS]`` (examples, rows, gradients, queries, survivors,
         cut; zeros in full)."""
 
-    def figures(self, plan: Plan, metrics: dict, per_example: dict, attacks, stages) -> dict:
+    def figures(self, metrics: dict, per_example: dict, attacks, stages) -> dict:
         """The figures the schedule sets (``schedule``, and what it replaces)."""
 
 
-class _Full:
-    """Every attack on every example, the bundle and its summary in one program."""
-
-    def run(self, plan: Plan, model: Model, batch: Batch):
-        counts, outputs = _evaluate_batch(
-            model.params, batch.x, batch.y, model.key, batch.example_id, batch.mask,
-            jnp.float32(plan.eps), rules=schedule_lib.rules_of(plan, model),
-            attacks=model.attacks, mesh=model.mesh)
-        return counts, outputs, np.zeros((len(model.attacks), STAGE_COLUMNS), np.int64)
-
-    def figures(self, plan: Plan, metrics: dict, per_example: dict, attacks, stages) -> dict:
-        return {"schedule": dict(plan.describe()["schedule"], stages=None, skipped=0,
-                                 statement=None)}
+STAGE_COLUMNS = len(cascade_lib.Stage._fields) - 1  # a stage's counts, its attack aside
 
 
-class _Cascade:
-    """Each attack on the survivors of the ones before (:func:`jaxbundle.run.cascade.cascade`)."""
+def _pairs(pairs: Any) -> tuple[tuple[str, Any], ...]:
+    """A dict or pairs (attack name -> value) as hashable pairs."""
+    return tuple((str(k), v) for k, v in (pairs.items() if isinstance(pairs, dict) else pairs))
 
-    def run(self, plan: Plan, model: Model, batch: Batch):
-        eps = jnp.float32(plan.eps)
-        result, stages = schedule_lib.cascade(plan, model, batch, eps)
+
+@dataclasses.dataclass(frozen=True)
+class Cascade:
+    """Each attack on the examples whose ``goal`` the ones before left unsatisfied
+    (:func:`jaxbundle.run.cascade.cascade`, whose docstring says what each setting does):
+    ``threshold`` (the max_confidence goal's t), ``budget`` (model passes per example),
+    ``focus``, ``probe``, ``escalate`` (attack name -> fraction or share), ``segments`` and
+    ``buckets`` (compacted batch sizes per halving of the batch: more, less padding)."""
+
+    goal: str = "misclassify"
+    threshold: float | None = None
+    budget: float | None = None
+    focus: tuple[tuple[str, float], ...] = ()
+    probe: tuple[tuple[str, float], ...] = ()
+    escalate: tuple[tuple[str, float], ...] = ()
+    segments: int = 1
+    buckets: int = 2
+    mode: ClassVar[str] = "cascade"
+
+    def __post_init__(self):
+        set_ = functools.partial(object.__setattr__, self)
+        for field in ("threshold", "budget"):
+            if is_number(getattr(self, field)):  # numpy and JAX scalars: plain, hashable
+                set_(field, float(getattr(self, field)))
+        for field in ("segments", "buckets"):
+            if is_int(getattr(self, field)):
+                set_(field, int(getattr(self, field)))
+        for field in ("focus", "probe", "escalate"):
+            set_(field, _pairs(getattr(self, field)))
+
+    @property
+    def focus_map(self) -> dict[str, float]:
+        """``focus`` as a dict (attack name -> fraction)."""
+        return dict(self.focus)
+
+    @property
+    def probe_map(self) -> dict[str, float]:
+        """``probe`` as a dict (attack name -> the fraction of its steps every survivor runs
+        before focus chooses: :func:`jaxbundle.run.cascade.probe_steps`)."""
+        return dict(self.probe)
+
+    @property
+    def escalate_map(self) -> dict[str, float]:
+        """``escalate`` as a dict (attack name -> the share of the examples the stage before it
+        ran on that this stage must have fooled for it to run)."""
+        return dict(self.escalate)
+
+    def describe(self) -> dict:
+        return {"mode": self.mode, "goal": self.goal, "threshold": self.threshold,
+                "budget": self.budget, "focus": self.focus_map, "probe": self.probe_map,
+                "escalate": self.escalate_map, "segments": self.segments,
+                "buckets": self.buckets}
+
+    def check(self, attacks: tuple[Attack, ...], goal_names: tuple[str, ...]) -> None:
+        if self.goal not in goals_lib.GOALS:
+            raise ValueError(f"unknown goal {self.goal!r}; choose from "
+                             f"{', '.join(goals_lib.GOALS)}")
+        if self.goal not in goal_names:
+            raise ValueError(f"the schedule's goal {self.goal!r} is not among the goals tracked "
+                             f"{goal_names}")
+        if self.threshold is not None:
+            if not is_number(self.threshold) or not 0 < self.threshold <= 1:
+                raise ValueError(f"threshold must be a confidence in (0, 1], got "
+                                 f"{self.threshold!r}")
+            if self.goal != "max_confidence":
+                raise ValueError("threshold is the max_confidence goal's t: set "
+                                 "goal='max_confidence'")
+        elif self.goal == "max_confidence":
+            raise ValueError("a cascade for the max_confidence goal needs its threshold t in "
+                             "(0, 1]")
+        if self.budget is not None and (not is_number(self.budget) or self.budget <= 0):
+            raise ValueError(f"budget must be a number of model passes > 0, got {self.budget!r}")
+        if not is_int(self.segments) or self.segments < 1:
+            raise ValueError(f"segments must be a positive integer, got {self.segments!r}")
+        if not is_int(self.buckets) or not 1 <= self.buckets <= MAX_BUCKETS:
+            raise ValueError(f"buckets (bucket sizes per halving of the batch) must be an integer "
+                             f"in [1, {MAX_BUCKETS}], got {self.buckets!r}")
+        names = [a.name for a in attacks]
+        self._check_focus(names)
+        self._check_probe(attacks)
+        self._check_escalate(names)
+
+    def _check_focus(self, names: list[str]) -> None:
+        for name, fraction in self.focus:
+            if name not in names:
+                raise ValueError(f"focus names attack {name!r}, which is not in the plan {names}")
+            if not is_number(fraction) or not 0 < fraction <= 1:
+                raise ValueError(f"focus of {name!r} must be a fraction in (0, 1], got "
+                                 f"{fraction!r}")
+        _once("focus", self.focus)
+        if self.focus and goals_lib.GOALS[self.goal].satisfied is None:
+            can = [g.name for g in goals_lib.GOALS.values() if g.satisfied is not None]
+            raise ValueError(f"focus needs a goal that can be satisfied ({' or '.join(can)}), "
+                             f"not {self.goal}")
+
+    def _check_escalate(self, names: list[str]) -> None:
+        for name, share in self.escalate:
+            if name not in names:
+                raise ValueError(f"escalate names attack {name!r}, which is not in the plan "
+                                 f"{names}")
+            if names.index(name) == 0:
+                raise ValueError(f"escalate: {name!r} is the first stage; it runs on what the "
+                                 "stage before it fooled, and there is none")
+            if not is_number(share) or not 0 < share <= 1:
+                raise ValueError(f"escalate of {name!r} must be a share in (0, 1] of the examples "
+                                 f"the stage before it ran on, got {share!r}")
+        _once("escalate", self.escalate)
+
+    def _check_probe(self, attacks: tuple[Attack, ...]) -> None:
+        steps = {a.name: a.num_steps for a in attacks}
+        for name, fraction in self.probe:
+            if name not in self.focus_map:
+                raise ValueError(f"probe of {name!r} decides which survivors its focus keeps: "
+                                 f"give {name!r} a focus fraction too")
+            if not is_number(fraction) or not 0 < fraction < 1:
+                raise ValueError(f"probe of {name!r} must be a fraction of its steps in (0, 1), "
+                                 f"got {fraction!r}")
+            if steps[name] < 2:
+                raise ValueError(f"probe of {name!r}: the attack has {steps[name]} step, and a "
+                                 "probe needs 2 or more (the probe, then the rest)")
+        _once("probe", self.probe)
+
+    def run(self, model: Model, batch: Batch, eps: float):
+        eps = jnp.float32(eps)
+        result, stages = cascade_lib.cascade(self, model, batch, eps)
         counts, outputs = _summarise(result, model.params, batch.x, batch.y, batch.example_id,
                                      batch.mask, eps, attacks=model.attacks, mesh=model.mesh,
                                      apply_fn=model.apply_fn)
         return counts, outputs, np.asarray([s[1:] for s in stages], np.int64)
 
-    def figures(self, plan: Plan, metrics: dict, per_example: dict, attacks, stages) -> dict:
-        return _cascade_figures(plan, metrics, per_example, attacks, stages)
+    def figures(self, metrics: dict, per_example: dict, attacks, stages) -> dict:
+        return _cascade_figures(self, metrics, per_example, attacks, stages)
 
 
-STAGE_COLUMNS = len(schedule_lib.Stage._fields) - 1  # a stage's counts, its attack aside
+def _once(field: str, pairs: tuple[tuple[str, Any], ...]) -> None:
+    if len({n for n, _ in pairs}) != len(pairs):
+        raise ValueError(f"{field} names an attack twice: {[n for n, _ in pairs]}")
 
-RUNNERS: dict[str, Runner] = {"full": _Full(), "cascade": _Cascade()}
 
+@dataclasses.dataclass(frozen=True)
+class Full:
+    """Every attack on every example, the bundle and its summary in one program: the
+    many-attack table. It has no settings of its own."""
 
-def runner(plan: Plan) -> Runner:
-    """The runner of the plan's ``mode``."""
-    return RUNNERS[plan.mode]
+    mode: ClassVar[str] = "full"
+
+    def check(self, attacks: tuple[Attack, ...], goal_names: tuple[str, ...]) -> None:
+        pass
+
+    def describe(self) -> dict:
+        return dict(Cascade().describe(), mode=self.mode)  # the cascade's settings as unset
+
+    def run(self, model: Model, batch: Batch, eps: float):
+        counts, outputs = _evaluate_batch(
+            model.params, batch.x, batch.y, model.key, batch.example_id, batch.mask,
+            jnp.float32(eps), rules=model.rules, attacks=model.attacks, mesh=model.mesh)
+        return counts, outputs, np.zeros((len(model.attacks), STAGE_COLUMNS), np.int64)
+
+    def figures(self, metrics: dict, per_example: dict, attacks, stages) -> dict:
+        return {"schedule": dict(self.describe(), stages=None, skipped=0, statement=None)}
 
 
 @functools.partial(jax.jit, static_argnames=("rules", "attacks", "mesh"))
@@ -121,7 +266,7 @@ def _summarise(result, params, x, y, example_id, mask, eps, *, attacks, mesh, ap
     return _summary(result, x, y, example_id, mask, eps, attacks, mesh, apply_fn, params)
 
 
-def _cascade_figures(plan: Plan, metrics: dict, per_example: dict, attacks, stages) -> dict:
+def _cascade_figures(schedule: Cascade, metrics: dict, per_example: dict, attacks, stages) -> dict:
     """What a cascade reports instead of the many-attack table: each stage's attack, the
     examples it ran on, what it spent, and the robust accuracy after it."""
     ok = per_example["clean_prediction"] == per_example["label"]
@@ -146,7 +291,7 @@ def _cascade_figures(plan: Plan, metrics: dict, per_example: dict, attacks, stag
         + "; focus, probe, escalate or budget): the robust accuracy is an upper bound that "
         "running those stages in full on every survivor could lower")
     out = {
-        "schedule": dict(plan.describe()["schedule"], stages=rows, skipped=skipped,
+        "schedule": dict(schedule.describe(), stages=rows, skipped=skipped,
                          statement=statement),
         # Attack k saw only the survivors of attacks 1..k-1: no many-attack table.
         "mat": None, "wat": None, "wat_attack": None, "black_box_robust_accuracy": None,
