@@ -76,14 +76,14 @@ def make_pgd_program(apply_fn, attack, *, fold: bool, unroll: int | bool, loop: 
         state = attack.init(attack.config, restart_keys, x0, y, eps, seen, 0)
         classes = jax.eval_shape(apply_fn, params, x0).shape[-1]
         start = bundler.candidate_state(x0, jnp.zeros((y.shape[0], classes)), x0, y, NORM,
-                                        -1, 0, 0, goal_names)
+                                        (-1, 0, 0), goal_names)
         best = {g: start for g in goal_names}
 
         def body(carry, t):
             s, b = carry
             s, cand = attack.step(attack.config, s, bundler.seen(attack, model, restart_keys, t))
             if fold:
-                c = bundler.candidate_state(cand.x, cand.logits, x0, y, NORM, 0, 0, t, goal_names)
+                c = bundler.candidate_state(cand.x, cand.logits, x0, y, NORM, (0, 0, t), goal_names)
                 b = bundler.fold_all(goal_names, eps, b, c)
             return (s, b), None
 
@@ -104,21 +104,21 @@ def make_fold_only(x0, y, logits, steps):
 
     @jax.jit
     def many(xa, lg):
-        best = bundler.candidate_state(x0, lg, x0, y, NORM, -1, 0, 0)
+        best = bundler.candidate_state(x0, lg, x0, y, NORM, (-1, 0, 0))
         for t in range(steps):
-            c = bundler.candidate_state(xa + t * 1e-3, lg + t, x0, y, NORM, 0, 0, t)
+            c = bundler.candidate_state(xa + t * 1e-3, lg + t, x0, y, NORM, (0, 0, t))
             best = bundler.fold("misclassify", eps, best, c)
         return best
 
     @jax.jit
     def one(best, xa, lg, t):
-        c = bundler.candidate_state(xa, lg, x0, y, NORM, 0, 0, t)
+        c = bundler.candidate_state(xa, lg, x0, y, NORM, (0, 0, t))
         return bundler.fold("misclassify", eps, best, c)
 
     ts = [jnp.int32(t) for t in range(steps)]
 
     def dispatched(xa, lg):
-        best = bundler.candidate_state(x0, lg, x0, y, NORM, -1, 0, 0)
+        best = bundler.candidate_state(x0, lg, x0, y, NORM, (-1, 0, 0))
         for t in ts:
             best = one(best, xa, lg, t)
         return best

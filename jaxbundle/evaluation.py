@@ -30,20 +30,16 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxbundle.run import adapters
-from jaxbundle.run import checkpoint
-from jaxbundle.run import checks as checks_lib
 from jaxbundle import data as data_lib
-from jaxbundle.core import judge
-from jaxbundle.core import norms
-from jaxbundle.run import runners
-from jaxbundle.core import sampling
+from jaxbundle.core import judge, norms, sampling
+from jaxbundle.core.validation import check_inputs, model_dtypes
+from jaxbundle.plan import Plan
 from jaxbundle.report import schema
-from jaxbundle.run.checkpoint import load_images  # noqa: F401  (the images a run wrote)
 from jaxbundle.report.metrics import Counts, Setting
 from jaxbundle.report.outputs import curve_metrics, kind_distortions, stochastic_metrics
-from jaxbundle.plan import Plan
-from jaxbundle.core.validation import check_inputs, model_dtypes
+from jaxbundle.run import adapters, checkpoint, runners
+from jaxbundle.run import checks as checks_lib
+from jaxbundle.run.checkpoint import load_images  # noqa: F401  (the images a run wrote)
 
 __all__ = ["Evaluation", "default_mesh", "evaluate", "for_model", "load_images"]
 
@@ -196,7 +192,7 @@ def _start(apply_fn, params, source, plan, mesh) -> _Run:
     return _Run(plan, model, source, sharding, process)
 
 
-def evaluate(
+def evaluate(  # noqa: PLR0913 (the public call: keyword-only options after the four inputs)
     model: Any,
     params: Any,
     data: Any,

@@ -183,7 +183,7 @@ def test_misclassify_success_is_never_lost(s):
 def test_misclassify_verified_failure_never_replaces_a_success():
     from jaxbundle.attacks.base import WhiteBoxModel
     from jaxbundle.bundler import candidate_state
-    from jaxbundle.judge import verify
+    from jaxbundle.judge import Problem, verify
 
     def apply_fn(params, x):  # class 1 wins; far from x0 its logit overflows to +inf
         wrong = jnp.where(x[:, 0] > 0.5, jnp.inf, params)
@@ -196,9 +196,10 @@ def test_misclassify_verified_failure_never_replaces_a_success():
 
     def verified(x, attack):
         x = jnp.asarray([x], jnp.float32)
-        state = candidate_state(x, model.logits(x), x0, y, "linf", attack, 0, 0)
-        clean = candidate_state(x0, model.logits(x0), x0, y, "linf", -1, 0, 0)
-        return verify(state, "misclassify", model, x0, y, eps, "linf", jnp.zeros((1,), bool), clean)
+        state = candidate_state(x, model.logits(x), x0, y, "linf", (attack, 0, 0))
+        clean = candidate_state(x0, model.logits(x0), x0, y, "linf", (-1, 0, 0))
+        return verify(state, "misclassify", Problem(model, x0, y, eps, jnp.zeros((1,), bool)),
+                      "linf", clean)
 
     @jax.jit
     def scenario():

@@ -17,8 +17,8 @@ from jaxbundle import attacks as attacks_lib
 from jaxbundle import goals as goals_lib
 from jaxbundle import suites
 from jaxbundle import Plan, evaluate
-from jaxbundle.bundler import Rules, bundle, goals_for
-from jaxbundle.bundler import run as run_bundle
+from jaxbundle.bundler import (Driver, Rules, bundle, goals_for, judge_stage, start_stage,
+                               step_stage)
 from jaxbundle.schedule import (PROBE_GAIN, Batch, Model, _after_probe, _focus_size,
                                 _nearest_bucket, bucket_sizes, cascade)
 from toys import images, linear_apply, linear_problem, min_distance
@@ -395,11 +395,14 @@ def test_a_probe_ranks_survivors_by_the_stage_s_own_progress():
     margin = np.asarray(first.best["misclassify"].score.margin)
     # The probe alone: the same Square, the same keys (index 1), stopped after `probe` steps
     # (no rescaled schedule, so its first steps are the long run's).
-    short = run_bundle(params, x, y, KEY, ids, jnp.full(y.shape, eps, jnp.float32),
-                       rules=Rules(linear_apply, goals, "linf"), attacks=(square(probe + 1),),
-                       indices=(1,))
+    driver = Driver(square(probe + 1), 1, Rules(linear_apply, goals, "linf"))
+    eps_b = jnp.full(y.shape, eps, jnp.float32)
+    running = start_stage(params, x, y, KEY, ids, eps_b, driver=driver)
+    steps = driver.attack.num_steps
+    running = step_stage(params, running, x, y, eps_b, 0, steps, driver=driver)
+    short = judge_stage(params, running, x, y, eps_b, steps, True, driver=driver)
     own = np.asarray(short.best["misclassify"].score.margin)
-    start = np.asarray(short.clean.margin)
+    start = np.asarray(running.clean.score.margin)
     progress = (own - start) / np.abs(start)
     fooled_in_probe = np.asarray(short.best["misclassify"].score.misclassified)
     left = np.setdiff1d(survivors, np.flatnonzero(fooled_in_probe))

@@ -23,20 +23,33 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxbundle import data, goals, models, suites
-from jaxbundle.bundler import Rules, goals_for, run
+from jaxbundle.core.bundler import (Driver, Rules, goals_for, judge_stage, run, start_stage,
+                                    step_stage)
 
 PROBES = (50, 100, 250, 500, 1000)
 SHARES = (0.04, 0.08, 0.16, 0.32)
 
 
-def _run(attacks, indices, apply_fn, params, x, y, eps, norm):
-    g = goals_for(("misclassify",), attacks)
-    ids = jnp.arange(len(y), dtype=jnp.int32)
-    r = run(params, x, y, jax.random.key(0), ids, jnp.full(y.shape, eps, jnp.float32),
-            rules=Rules(apply_fn, g, norm), attacks=tuple(attacks), indices=indices)
-    s = r.best["misclassify"].score
+def _run(attacks, index, apply_fn, params, x, y, eps, norm):
+    """The attacks from the clean image: the bundle of them (``index`` None), or the one
+    attack as the bundle's attack ``index`` (its keys), by the cascade's stage programs."""
+    rules = Rules(apply_fn, goals_for(("misclassify",), attacks), norm)
+    args = (params, x, y, jax.random.key(0), jnp.arange(len(y), dtype=jnp.int32),
+            jnp.full(y.shape, eps, jnp.float32))
+    if index is None:
+        r = run(*args, rules=rules, attacks=tuple(attacks))
+        best, clean = r.best, r.clean
+    else:
+        (attack,) = attacks
+        driver = Driver(attack, index, rules)
+        running = start_stage(*args, driver=driver)
+        running = step_stage(params, running, x, y, args[-1], 0, attack.num_steps, driver=driver)
+        best = judge_stage(params, running, x, y, args[-1], attack.num_steps, True,
+                           driver=driver).best
+        clean = running.clean.score
+    s = best["misclassify"].score
     return (np.asarray(s.margin), np.asarray(goals.success("misclassify", s, eps)),
-            np.asarray(r.clean.margin))
+            np.asarray(clean.margin))
 
 
 def _top(order_key, rows, k):
@@ -50,16 +63,16 @@ def study(model, norm, eps, n, start=0, arrays: str | None = None) -> dict:
     white = (suites.attack("apgd-ce", norm, steps=20),
              suites.attack("apgd-ce-long", norm, steps=100),
              suites.attack("apgd-t5", norm, steps=40))
-    m_wb, fooled_wb, clean = _run(white, (0, 1, 2), apply_fn, params, x, y, eps, norm)
+    m_wb, fooled_wb, clean = _run(white, None, apply_fn, params, x, y, eps, norm)
     survivors = np.flatnonzero(~fooled_wb & (clean < 0))
     square = lambda q: suites.attack("square-aa", norm, queries=q)  # noqa: E731
-    _, fooled_sq, _ = _run((square(5000),), (3,), apply_fn, params, x, y, eps, norm)
+    _, fooled_sq, _ = _run((square(5000),), 3, apply_fn, params, x, y, eps, norm)
     target = set(survivors[fooled_sq[survivors]].tolist())
     out = {"model": model, "norm": norm, "eps": eps, "n": n, "survivors": int(survivors.size),
            "square_fools": len(target), "kept": {}}
     probes = {}
     for p in PROBES:  # what the probe fools is won whatever the focus keeps after it
-        m_p, fooled_p, _ = _run((square(p + 1),), (3,), apply_fn, params, x, y, eps, norm)
+        m_p, fooled_p, _ = _run((square(p + 1),), 3, apply_fn, params, x, y, eps, norm)
         won = set(survivors[fooled_p[survivors]].tolist())
         probes[p] = ((m_p - clean) / np.abs(clean), won,
                      survivors[[r not in won for r in survivors]])

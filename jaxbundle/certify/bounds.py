@@ -70,9 +70,10 @@ def check_arguments(apply_fn, x, y=None, eps=None, *, method: str = "crown",
         raise ValueError(f"eps must be a scalar or [B]; got shape {jnp.shape(eps)}")
 
 
-def margin_bounds(apply_fn: Callable[[Any, jax.Array], jax.Array], params: Any, x: jax.Array,
-                  y: jax.Array, *, eps, norm: str = "linf", method: str = "crown",
-                  lower=0.0, upper=1.0, rounding: bool = True) -> jax.Array:
+def margin_bounds(  # noqa: PLR0913 (the public call: keyword-only settings of the bound)
+        apply_fn: Callable[[Any, jax.Array], jax.Array], params: Any, x: jax.Array,
+        y: jax.Array, *, eps, norm: str = "linf", method: str = "crown",
+        lower=0.0, upper=1.0, rounding: bool = True) -> jax.Array:
     """Sound lower bounds on every margin ``z_y - z_j`` over each example's input set.
 
     The set of example ``b`` is the ``norm`` ball of radius ``eps[b]`` around ``x[b]``
@@ -101,13 +102,15 @@ def margin_bounds(apply_fn: Callable[[Any, jax.Array], jax.Array], params: Any, 
       ValueError, TypeError: malformed arguments.
     """
     check_arguments(apply_fn, x, y, eps, method=method, norm=norm)
-    return _margin_bounds(apply_fn, params, x, y, eps, lower, upper, norm=norm, method=method,
-                          rounding=bool(rounding))
+    return _margin_bounds(apply_fn, params, (x, y, eps), (lower, upper), norm=norm,
+                          method=method, rounding=bool(rounding))
 
 
 @functools.partial(jax.jit, static_argnames=("apply_fn", "norm", "method", "rounding"))
 @arithmetic.stated()
-def _margin_bounds(apply_fn, params, x, y, eps, lower, upper, *, norm, method, rounding):
+def _margin_bounds(apply_fn, params, examples, box, *, norm, method, rounding):
+    x, y, eps = examples
+    lower, upper = box
     graph = graphs.trace(apply_fn, params, (1, *x.shape[1:]))
     arguments = jax.tree.leaves(params)
     classes = graph.shapes[graph.output].shape[-1]

@@ -381,9 +381,10 @@ def confirm(apply_fn: Callable[[Any, Any], Any], params: Any, x: np.ndarray, y: 
     return rounded if np.max(wrong) > logits[int(y)] else None
 
 
-def complete(apply_fn: Callable[[Any, Any], Any], params: Any, x: Any, y: Any, *,
-             eps: float, lower: float = 0.0, upper: float = 1.0, time_limit: float = 10.0,
-             tighten: bool = True) -> list[Decision]:
+def complete(  # noqa: PLR0913 (the public call: keyword-only settings of the MIP)
+        apply_fn: Callable[[Any, Any], Any], params: Any, x: Any, y: Any, *,
+        eps: float, lower: float = 0.0, upper: float = 1.0, time_limit: float = 10.0,
+        tighten: bool = True) -> list[Decision]:
     """The complete mode on a batch: each example's exact verdict under an Linf ball.
 
     Builds each example's program (:func:`jaxbundle.certify.extract.relu_program`, bounds

@@ -362,9 +362,10 @@ def _activation(graph, state, index, pair, owners, shared):
     return [(operand, Pair(low, high))], Pair(low_constant, high_constant), error
 
 
-def linear_bounds(graph: graphs.Graph, state: ibp.Sweep, start: int, target, spec: Pair,
-                  input_set: Box | BallInBox, *, elide: bool = False,
-                  owners: Owners | None = None, head: Carried | None = None):
+def linear_bounds(  # noqa: PLR0913 (where the rows start, and the forms of the two callers)
+        graph: graphs.Graph, state: ibp.Sweep, start: int, target, spec: Pair,
+        input_set: Box | BallInBox, *, elide: bool = False,
+        owners: Owners | None = None, head: Carried | None = None):
     """Lower and upper bounds ``[S]`` of ``spec @ value(target)`` over the input set, for the
     model's float32 values with ``state.rounding`` (the rows' errors subtracted, the final sums'
     rounding allowed for).

@@ -194,9 +194,10 @@ def _positive_int(value: Any, name: str) -> int:
     return int(value)
 
 
-def certify(model: sampling.Stochastic, params: Any, x: Any, *, key: jax.Array, n0: int = 100,
-            n: int = 100_000, alpha: float = 0.001, batch: int = 1024,
-            example_id: Any = None) -> Certificate:
+def certify(  # noqa: PLR0913 (the public call: Cohen et al.'s n0, n, alpha as keywords)
+        model: sampling.Stochastic, params: Any, x: Any, *, key: jax.Array, n0: int = 100,
+        n: int = 100_000, alpha: float = 0.001, batch: int = 1024,
+        example_id: Any = None) -> Certificate:
     """Cohen et al.'s CERTIFY (module docstring) on a batch of examples.
 
     Args:

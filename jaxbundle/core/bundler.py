@@ -43,7 +43,8 @@ from jaxbundle.attacks.base import Attack, WhiteBoxModel, per_example_keys, thre
 from jaxbundle.core.canonical import fast_gradients
 from jaxbundle.core.goals import (BestState, candidate_state, cross_fold, fold, fold_all, fold_each,
                              fold_stacked)
-from jaxbundle.core.judge import STRETCH, check_judging, judged_on_grid, judged_score, verify
+from jaxbundle.core.judge import (STRETCH, Problem, check_judging, judged_on_grid, judged_score,
+                                  verify)
 from jaxbundle.core.judge import held_out as judge_held_out
 from jaxbundle.core.validation import check_attacks, check_eot, check_inputs, goals_for
 
@@ -84,18 +85,6 @@ class Rules(NamedTuple):
     judging: str = "auto"
     restart_mode: str = "vmap"
     unroll: int | bool = 1  # the steps' ``lax.scan`` unroll where their bounds are static
-
-
-class Problem(NamedTuple):
-    """One batch as the attacks aim at it and the judge calls the model, built once per
-    program (:func:`problem`)."""
-
-    model: WhiteBoxModel  # the model as the judge calls it
-    x: jax.Array  # [B, ...] float32 clean images
-    y: jax.Array  # [B] int32 labels
-    eps: jax.Array  # [B] the radius the attacks aim at (on the grid: whole levels)
-    grid: jax.Array  # [B] bool: judged on the 8-bit grid
-    keys: jax.Array  # [B] the examples' keys (per_example_keys)
 
 
 def problem(rules: Rules, params: Any, x: jax.Array, y: jax.Array, eps: jax.Array,
@@ -225,7 +214,7 @@ class Driver(NamedTuple):
                 logits = cand.logits
                 if logits is None:
                     logits = _evaluator(p.model, keys, t).logits(cand.x)
-                c = candidate_state(cand.x, logits, p.x, p.y, norm, self.index, restart, t,
+                c = candidate_state(cand.x, logits, p.x, p.y, norm, (self.index, restart, t),
                                     goal_names)
                 best = fold_all(goal_names, p.eps, best, c)
                 # the best margin of the steps before the window, frozen once it starts
@@ -272,8 +261,8 @@ class Driver(NamedTuple):
         def one_restart(restart, state, best):
             logits = _evaluator(p.model, restart_keys(running.keys, index, restart),
                                 t).logits(state.x)
-            final = candidate_state(state.x, logits, p.x, p.y, self.rules.norm, index,
-                                    restart, t, goal_names)
+            final = candidate_state(state.x, logits, p.x, p.y, self.rules.norm,
+                                    (index, restart, t), goal_names)
             return fold_all(goal_names, p.eps, best, final)
 
         stacked = running.best
@@ -297,8 +286,7 @@ class Driver(NamedTuple):
         stretch = (1.0,) if self.attack.black_box else STRETCH
 
         def judge(found):
-            verified = {g: verify(found[g], g, p.model, p.x, p.y, p.eps, norm, p.grid, clean,
-                                  stretch)
+            verified = {g: verify(found[g], g, p, norm, clean, stretch)
                         for g in goal_names}
             return cross_fold(goal_names, p.eps, verified)
 
@@ -350,20 +338,19 @@ def _evaluator(model: WhiteBoxModel, restart_keys_: jax.Array, t: int | jax.Arra
     return WhiteBoxModel(model.apply_fn, model.params, model.grid, keys, 1)
 
 
-@functools.partial(jax.jit, static_argnames=("rules", "attacks", "indices"))
+@functools.partial(jax.jit, static_argnames=("rules", "attacks"))
 def run(params: Any, x: jax.Array, y: jax.Array, key: jax.Array, example_id: jax.Array,
-        eps: jax.Array, *, rules: Rules, attacks: tuple[Attack, ...],
-        indices: tuple[int, ...] | None = None) -> BundleResult:
-    """The jitted bundle (:func:`bundle` checks its inputs and calls it). ``indices`` are the
-    attacks' positions in the whole bundle (their key folds and the ``attack`` field of their
-    candidates); default ``0, 1, ...``: a cascade runs attack ``k`` alone under index ``k``
-    (see :mod:`jaxbundle.run.cascade`)."""
+        eps: jax.Array, *, rules: Rules, attacks: tuple[Attack, ...]) -> BundleResult:
+    """The jitted bundle (:func:`bundle` checks its inputs and calls it): attack ``k`` by its
+    :class:`Driver` of index ``k`` (its key fold and its candidates' ``attack`` field), each
+    from the clean image, every result folded per example and goal. A cascade runs the same
+    drivers stage by stage (:mod:`jaxbundle.run.cascade`)."""
     keys = per_example_keys(key, example_id)
     p = problem(rules, params, x, y, eps, keys)
     clean = clean_state(rules, p)
     best = {g: clean for g in rules.goal_names}
     judged = []
-    for index, attack in zip(indices or range(len(attacks)), attacks):
+    for index, attack in enumerate(attacks):
         driver = Driver(attack, index, rules)  # every attack starts alone from the clean image
         running = driver.steps(p, driver.init(p, clean), 0, attack.num_steps)
         judged.append(driver.judge(p, running, attack.num_steps))

@@ -235,24 +235,18 @@ def candidate_state(
     x0: jax.Array,
     y: jax.Array,
     norm: str,
-    attack: int | jax.Array,
-    restart: int | jax.Array,
-    step: int | jax.Array,
+    origin: tuple[int | jax.Array, int | jax.Array, int | jax.Array],
     goals: tuple[str, ...] | None = None,
 ) -> BestState:
     """Wraps one candidate batch as a :class:`BestState` so that it can be folded.
 
+    ``origin``: the ``(attack, restart, step)`` that made it (the clean image: ``(-1, 0, 0)``).
     ``goals``: score only what these goals compare (see :func:`jaxbundle.core.goals.score`).
     """
     batch = x.shape[0]
-    full = lambda v: jnp.full((batch,), v, dtype=jnp.int32)  # noqa: E731
-    return BestState(
-        x=x,
-        score=score(x, logits, x0, y, norm, goals),
-        attack=full(attack),
-        restart=full(restart),
-        step=full(step),
-    )
+    attack, restart, step = (jnp.full((batch,), v, dtype=jnp.int32) for v in origin)
+    return BestState(x=x, score=score(x, logits, x0, y, norm, goals), attack=attack,
+                     restart=restart, step=step)
 
 
 def fold_all(

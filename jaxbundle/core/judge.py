@@ -32,7 +32,7 @@ about, and the same on every backend. The attacks search at the default.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +45,7 @@ from jaxbundle.core.goals import BestState
 
 __all__ = [
     "JUDGING",
+    "Problem",
     "STRETCH",
     "check_judging",
     "judged_on_grid",
@@ -152,27 +153,29 @@ def judged_score(
     ), finite
 
 
-def verify(
-    best: BestState,
-    goal: str,
-    model: WhiteBoxModel,
-    x0: jax.Array,
-    y: jax.Array,
-    eps: jax.Array,
-    norm: str,
-    grid: jax.Array,
-    clean: BestState,
-    stretch: Sequence[float] = STRETCH,
-) -> "BestState":
-    """Judges a best state on what a user would submit.
+class Problem(NamedTuple):
+    """One batch as the attacks aim at it and the judge calls the model, built once per
+    program (:func:`jaxbundle.core.bundler.problem`)."""
 
-    Examples judged on the grid (``grid`` ``[B]``, see :func:`judged_on_grid`) get their image
-    rounded to the 8-bit grid: for goals bound to eps, the nearest grid image inside the ball
-    and the box (:func:`jaxbundle.core.norms.quantize`); for min-norm, :func:`quantize_min_norm`
-    with ``stretch``. The others are judged as they are, in float32. The judged image is
-    re-run through the model in float32 and rescored. A candidate outside the box, with
-    non-finite logits, or (for eps-bound goals) outside the ball gets the worst score (not
-    misclassified, margin -inf, distortion inf), so that it never wins a fold.
+    model: WhiteBoxModel  # the model as the judge calls it
+    x: jax.Array  # [B, ...] float32 clean images
+    y: jax.Array  # [B] int32 labels
+    eps: jax.Array  # [B] the radius the attacks aim at (on the grid: whole levels)
+    grid: jax.Array  # [B] bool: judged on the 8-bit grid (:func:`judged_on_grid`)
+    keys: jax.Array | None = None  # [B] the examples' keys (per_example_keys)
+
+
+def verify(best: BestState, goal: str, p: Problem, norm: str, clean: BestState,
+           stretch: Sequence[float] = STRETCH) -> BestState:
+    """Judges a best state on what a user would submit, in the batch ``p``.
+
+    Examples judged on the grid (``p.grid``) get their image rounded to the 8-bit grid: for
+    goals bound to eps, the nearest grid image inside the ball and the box
+    (:func:`jaxbundle.core.norms.quantize`); for min-norm, :func:`quantize_min_norm` with
+    ``stretch``. The others are judged as they are, in float32. The judged image is re-run
+    through the model in float32 and rescored. A candidate outside the box, with non-finite
+    logits, or (for eps-bound goals) outside the ball gets the worst score (not misclassified,
+    margin -inf, distortion inf), so that it never wins a fold.
 
     Nothing is credited that the attack did not find: where the judged image is misclassified
     but the attack's own candidate was not (the rounding alone flipped it), the example falls
@@ -181,6 +184,7 @@ def verify(
     its candidate is one noisy draw. (The winner these calls choose is then re-judged on
     held-out calls: :func:`rejudge`.)
     """
+    model, x0, y, eps, grid = p.model, p.x, p.y, p.eps, p.grid
     bounded = goals_lib.GOALS[goal].bounded
     if bounded:
         rounded = norms.quantize(best.x, x0, eps, norm)

@@ -159,6 +159,7 @@ def _mix_at(config: TrainConfig, step: int, total_steps: int) -> certified.Sched
 class _StepSpec(NamedTuple):
     """The static (compile-time) part of a training step; hashable, seed-independent."""
 
+    module: nn.Module
     adversarial: bool
     pgd_steps: int
     pgd_step_ratio: float  # PGD step size / eps
@@ -169,22 +170,20 @@ class _StepSpec(NamedTuple):
 _OPTIMIZER = optax.scale_by_adam()  # Adam moments; the (scheduled) learning rate is applied below.
 
 
-@functools.partial(jax.jit, static_argnames=("module", "spec"))
+@functools.partial(jax.jit, static_argnames=("spec",))
 def _train_step(
     params: Params,
     state: Params,
     opt_state: Any,
-    x: jax.Array,
-    y: jax.Array,
+    batch: tuple[jax.Array, jax.Array],
     key: jax.Array,
     mix: certified.Schedule,
     lr: jax.Array,
     *,
-    module: nn.Module,
     spec: _StepSpec,
 ) -> tuple[Params, Any, jax.Array]:
-    """One Adam step on clean or PGD-perturbed ``(x, y)``, or on the verified loss over the
-    eps ball around them; returns ``(params, opt_state, loss)``.
+    """One Adam step on clean or PGD-perturbed ``batch = (x, y)``, or on the verified loss over
+    the eps ball around them; returns ``(params, opt_state, loss)``.
 
     ``params`` are the trained variables (``variables["params"]``), ``state`` the others (a
     BatchNorm's ``batch_stats``; ``{}`` for most models). A model with batch statistics is
@@ -194,8 +193,10 @@ def _train_step(
 
     Everything that changes during training (params, optimizer state, batch, PRNG key, eps
     and the loss's weights in ``mix``, learning rate) is a traced argument, so one compilation
-    serves a whole run and every run with the same ``module`` and ``spec``.
+    serves a whole run and every run with the same ``spec`` (the module among it).
     """
+    x, y = batch
+    module = spec.module
     apply_fn = module.apply
     eps = mix.eps
     inputs = x
@@ -261,6 +262,7 @@ def _step_spec(config: TrainConfig, batch_size: int) -> _StepSpec:
         if config.adversarial:
             raise ValueError("a config trains either adversarially or certified, not both")
     return _StepSpec(
+        module=model_for(config),
         adversarial=bool(config.adversarial),
         pgd_steps=int(config.pgd_steps),
         pgd_step_ratio=float(config.pgd_step_size / config.eps) if config.eps > 0 else 0.0,
@@ -318,7 +320,7 @@ def train(
     total_steps = config.epochs * steps_per_epoch
 
     spec = _step_spec(config, batch_size)
-    module = model_for(config)
+    module = spec.module
     key = jax.random.PRNGKey(config.seed)
     init_key, pgd_key = jax.random.split(key)
     variables = module.init(init_key, jnp.zeros((1,) + x.shape[1:], jnp.float32))
@@ -338,12 +340,10 @@ def train(
                 params,
                 state,
                 opt_state,
-                x[idx],
-                y[idx],
+                (x[idx], y[idx]),
                 jax.random.fold_in(pgd_key, step),
                 _mix_at(config, step, total_steps),
                 jnp.float32(_learning_rate(config, step, total_steps)),
-                module=module,
                 spec=spec,
             )
             step += 1

@@ -79,12 +79,12 @@ from typing import Any, Callable, NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
 
 from jaxbundle.core import goals as goals_lib
 from jaxbundle.attacks.base import Attack, per_example_keys
 from jaxbundle.core import bundler
 from jaxbundle.core.bundler import BestState, BundleResult, fold, glue_jit
+from jaxbundle.run.records import Batch, Model
 
 __all__ = [
     "PROBE_GAIN", "Batch", "Model", "Stage", "bucket_sizes", "cascade", "escalates",
@@ -96,36 +96,6 @@ __all__ = [
 # were misled on this model, and the whole stage goes on (chosen on the tuning set of
 # benchmarks/heldout/PROTOCOL.md).
 PROBE_GAIN = 20.0
-
-
-class Model(NamedTuple):
-    """What every batch of one evaluation shares: the model's parameters, the built attacks,
-    the run's key, the mesh and the bundler's static rules (the model's apply function and the
-    goals tracked among them)."""
-
-    params: Any  # replicated over the mesh, if any
-    attacks: tuple[Attack, ...]
-    key: jax.Array  # jax.random.key(plan.run.seed)
-    mesh: Mesh | None
-    rules: bundler.Rules
-
-    @property
-    def apply_fn(self) -> Callable:
-        return self.rules.apply_fn
-
-    @property
-    def goal_names(self) -> tuple[str, ...]:
-        return self.rules.goal_names
-
-
-class Batch(NamedTuple):
-    """One batch (global arrays under a mesh) and its real rows (host bool ``[B]``)."""
-
-    x: jax.Array
-    y: jax.Array
-    example_id: jax.Array
-    mask: jax.Array | None  # [B] device bool, False on padding rows (the summary's)
-    real: np.ndarray
 
 
 class Settings(Protocol):
@@ -274,6 +244,7 @@ class _Batch(NamedTuple):
     halves: tuple[int, ...]  # the sizes focus keeps and a stage mid-run compacts to: one per
     #   halving, so that a sweep over eps, whose survivors differ, meets the same few shapes
     host: Callable[[Any], Any]  # reads device arrays on the host
+    real: np.ndarray  # host bool [B]: False on padding rows
 
 
 class _Outcome(NamedTuple):
@@ -322,17 +293,16 @@ def _padded(order: np.ndarray, size: int) -> np.ndarray:
     return np.concatenate([order, np.full(size - order.size, order[-1])]).astype(np.int32)
 
 
-def _segmented_stage(b: _Batch, attack: Attack, k: int, order: np.ndarray, best,
-                     row: "_AttackRows", segments: int,
-                     probe: tuple[int, float, np.ndarray] | None = None,
-                     first: int = 0) -> _Outcome:
+def _run_stage(b: _Batch, attack: Attack, k: int, order: np.ndarray, best, row: "_AttackRows",
+               probe: tuple[int, float, np.ndarray] | None = None, first: int = 0) -> _Outcome:
     """Attack ``k`` (its restarts numbered from ``first``) on the rows ``order`` in up to
-    ``segments`` runs of its steps, from the batch's bests and the attack's ``row`` so far.
+    :func:`_segments` runs of its steps, from the batch's bests and the attack's ``row`` so far.
     After each, the rows whose goal is satisfied stop; the others are compacted into a bucket
     at most half the size of the current one once they fit (fewer shapes to compile), else
     they go on in place. With ``probe = (steps, fraction, closeness)``, the first run is
     ``steps`` long and only some rows go on after it (:func:`_after_probe`)."""
     driver = bundler.Driver(attack, k, b.rules)
+    segments = _segments(b.schedule, attack, probe)
     success, distortion, best_step, improving = row
     rows = _padded(order, _bucket(b.sizes, order.size))
     sub = _take((b.x, b.y, b.example_id, b.eps), rows)
@@ -409,19 +379,17 @@ def _after_probe(ladders: tuple[tuple[int, ...], tuple[int, ...]], live: np.ndar
     return out
 
 
-def _run_stage(b: _Batch, attack: Attack, *args,
-               probe: tuple[int, float, np.ndarray] | None = None, first: int = 0) -> _Outcome:
-    """Stage ``attack`` in the plan's segments (after a probe, if it has one), or in one: an
-    attack whose goal is never satisfied (min-norm: a smaller distortion is always better) is
-    never done early. A stage in one segment still runs as three programs (start, steps,
-    judging), so its glue compiles fast (:func:`jaxbundle.core.bundler.glue_jit`): a whole-stage
-    program compiled at XLA's defaults made a cascade of the standard bundle compile 14 s
-    where the full bundle's one program took 9 s."""
-    segments = b.schedule.segments
-    never_done = any(goals_lib.GOALS[g].satisfied is None for g in (b.schedule.goal, attack.goal))
-    if probe is None and (attack.num_steps < segments or never_done):
-        segments = 1
-    return _segmented_stage(b, attack, *args, segments, probe, first)
+def _segments(schedule: Settings, attack: Attack, probe) -> int:
+    """The runs a stage's steps are cut into: the plan's segments (after a probe, if it has
+    one), or one: an attack whose goal is never satisfied (min-norm: a smaller distortion is
+    always better) is never done early. A stage in one segment still runs as three programs
+    (start, steps, judging), so its glue compiles fast (:func:`jaxbundle.core.bundler.glue_jit`):
+    a whole-stage program compiled at XLA's defaults made a cascade of the standard bundle
+    compile 14 s where the full bundle's one program took 9 s."""
+    never_done = any(goals_lib.GOALS[g].satisfied is None for g in (schedule.goal, attack.goal))
+    if probe is None and (attack.num_steps < schedule.segments or never_done):
+        return 1
+    return schedule.segments
 
 
 def _restart_parts(attack: Attack, restart_mode: str) -> list[tuple[Attack, int]]:
@@ -473,7 +441,7 @@ def _stage_rows(b: _Batch, attack: Attack, order: np.ndarray, closeness: np.ndar
 
 
 def _stage(b: _Batch, k: int, whole: Attack, chosen: np.ndarray, survivors: int,
-           closeness: np.ndarray, best, rows: _AttackRows, real: np.ndarray):
+           closeness: np.ndarray, best, rows: _AttackRows):
     """Stage ``k``: attack ``whole`` on the rows ``chosen`` (of ``survivors``), whole or, with
     ``restart_mode="cascade"``, restart by restart on what the restarts before left; a probed
     stage (the plan's ``probe``) starts each part with its probe. Returns the batch's bests and
@@ -502,7 +470,8 @@ def _stage(b: _Batch, k: int, whole: Attack, chosen: np.ndarray, survivors: int,
         row_steps += out.row_steps * attack.num_restarts
         stage = stage._replace(cut=stage.cut + out.cut)
     stage = stage._replace(rows=-(-row_steps // max(whole.num_steps * whole.num_restarts, 1)),
-                           gradients=int(np.sum(grads[real])), queries=int(np.sum(asked[real])))
+                           gradients=int(np.sum(grads[b.real])),
+                           queries=int(np.sum(asked[b.real])))
     return best, rows, stage, grads, asked
 
 
@@ -542,7 +511,7 @@ def cascade(schedule: Settings, model: Model, batch: Batch,
     b = _Batch(schedule, rules, params, x, y, key, example_id, eps, eps_aimed,
                bucket_sizes(n, multiple, schedule.buckets),
                bucket_sizes(n, multiple, per_halving=1),
-               _host_reader(mesh))
+               _host_reader(mesh), real)
     rows = _AttackRows.empty(len(attacks), n)
     spent = np.zeros(n, np.int64)  # model passes per example so far (host)
     gradients = np.zeros(n, np.int64)
@@ -559,7 +528,7 @@ def cascade(schedule: Settings, model: Model, batch: Batch,
                              None if whole.name in probes else focus.get(whole.name), left,
                              spent)
         best, rows, stage, grads, asked = _stage(b, k, whole, chosen, survivors.size, closeness,
-                                                 best, rows, real)
+                                                 best, rows)
         spent += grads + asked
         gradients += grads
         queries += asked

@@ -32,7 +32,7 @@ from jaxbundle.report.metrics import Counts, Setting
 from jaxbundle.report.outputs import per_example_arrays
 from jaxbundle.run import cascade as cascade_lib
 from jaxbundle.run import checks as checks_lib
-from jaxbundle.run.cascade import Batch, Model
+from jaxbundle.run.records import Batch, Model
 
 __all__ = ["MAX_BUCKETS", "Batch", "Cascade", "Full", "Model", "Schedule"]
 
@@ -191,9 +191,7 @@ class Cascade:
     def run(self, model: Model, batch: Batch, eps: float):
         eps = jnp.float32(eps)
         result, stages = cascade_lib.cascade(self, model, batch, eps)
-        counts, outputs = _summarise(result, model.params, batch.x, batch.y, batch.example_id,
-                                     batch.mask, eps, attacks=model.attacks, mesh=model.mesh,
-                                     apply_fn=model.apply_fn)
+        counts, outputs = _summarise(result, model, batch._replace(real=None), eps)
         return counts, outputs, np.asarray([s[1:] for s in stages], np.int64)
 
     def figures(self, metrics: dict, per_example: dict, attacks, stages) -> dict:
@@ -219,51 +217,48 @@ class Full:
         return dict(Cascade().describe(), mode=self.mode)  # the cascade's settings as unset
 
     def run(self, model: Model, batch: Batch, eps: float):
-        counts, outputs = _evaluate_batch(
-            model.params, batch.x, batch.y, model.key, batch.example_id, batch.mask,
-            jnp.float32(eps), rules=model.rules, attacks=model.attacks, mesh=model.mesh)
+        counts, outputs = _evaluate_batch(model, batch._replace(real=None), jnp.float32(eps))
         return counts, outputs, np.zeros((len(model.attacks), STAGE_COLUMNS), np.int64)
 
     def figures(self, metrics: dict, per_example: dict, attacks, stages) -> dict:
         return {"schedule": dict(self.describe(), stages=None, skipped=0, statement=None)}
 
 
-@functools.partial(jax.jit, static_argnames=("rules", "attacks", "mesh"))
-def _evaluate_batch(params, x, y, key, example_id, mask, eps, *, rules, attacks,
-                    mesh) -> tuple[Counts, dict]:
+@jax.jit
+def _evaluate_batch(model: Model, batch: Batch, eps: jax.Array) -> tuple[Counts, dict]:
     """One batch: the bundle, its counts and its per-example outputs, in one program.
 
     With a mesh, every output is replicated on every device (the gather happens inside the
     program), so each process reads the whole result locally: no eager operation on a global
     array, and nothing a single process would have to run alone.
     """
-    result = held_out(run(params, x, y, key, example_id, eps, rules=rules, attacks=attacks),
-                      params, x, y, key, example_id, eps, rules=rules)
-    return _summary(result, x, y, example_id, mask, eps, attacks, mesh, rules.apply_fn, params)
+    args = (model.params, batch.x, batch.y, model.key, batch.example_id, eps)
+    result = held_out(run(*args, rules=model.rules, attacks=model.attacks), *args,
+                      rules=model.rules)
+    return _summary(result, model, batch, eps)
 
 
-def _summary(result, x, y, example_id, mask, eps, attacks, mesh, apply_fn, params):
+def _summary(result, model: Model, batch: Batch, eps: jax.Array) -> tuple[Counts, dict]:
     """A batch's counts and per-example outputs, replicated on every device under a mesh."""
-    setting = Setting.of(attacks, tuple(result.best))
+    x, y, apply_fn = batch.x, batch.y, model.apply_fn
+    setting = Setting.of(model.attacks, tuple(result.best))
     eps_b = jnp.full(y.shape, eps, jnp.float32)
     outputs = dict(per_example_arrays(result, x, eps_b, setting.black_box), label=y,
-                   example_id=example_id,
-                   zero_gradient=checks_lib.zero_gradients(fast_gradients(apply_fn), params,
-                                                           x, y))
+                   example_id=batch.example_id,
+                   zero_gradient=checks_lib.zero_gradients(fast_gradients(apply_fn),
+                                                           model.params, x, y))
     if is_stochastic(apply_fn):  # the fraction of the held-out calls each image fools, and
         # of the judge's calls that chose the winner (biased upward: the best of several)
         outputs.update(success_rate=result.best["misclassify"].score.rate,
                        clean_success_rate=result.clean.rate,
                        selection_success_rate=result.selection_rate)
-    out = (Counts.from_result(result, mask, eps_b, setting), outputs)
-    if mesh is not None:
-        out = jax.lax.with_sharding_constraint(out, NamedSharding(mesh, PartitionSpec()))
+    out = (Counts.from_result(result, batch.mask, eps_b, setting), outputs)
+    if model.mesh is not None:
+        out = jax.lax.with_sharding_constraint(out, NamedSharding(model.mesh, PartitionSpec()))
     return out
 
 
-@glue_jit(static_argnames=("attacks", "mesh", "apply_fn"))
-def _summarise(result, params, x, y, example_id, mask, eps, *, attacks, mesh, apply_fn):
-    return _summary(result, x, y, example_id, mask, eps, attacks, mesh, apply_fn, params)
+_summarise = glue_jit(_summary)  # a cascade's summary: its own program, after the stages
 
 
 def _cascade_figures(schedule: Cascade, metrics: dict, per_example: dict, attacks, stages) -> dict:

@@ -36,10 +36,11 @@ class BestEffort(NamedTuple):
     gradients: jax.Array  # int32 [B] gradient evaluations spent over all rounds
 
 
-def best_effort(attacks: Sequence[Attack], apply_fn: Callable, params: Any, x: jax.Array,
-                y: jax.Array, key: jax.Array, *, eps_max: float, norm: str = "linf",
-                iterations: int = 8, example_id: jax.Array | None = None,
-                judging: str = "auto") -> BestEffort:
+def best_effort(  # noqa: PLR0913 (the public call: bundle()'s keyword options)
+        attacks: Sequence[Attack], apply_fn: Callable, params: Any, x: jax.Array,
+        y: jax.Array, key: jax.Array, *, eps_max: float, norm: str = "linf",
+        iterations: int = 8, example_id: jax.Array | None = None,
+        judging: str = "auto") -> BestEffort:
     """Per-example bisection on eps of a fixed-budget bundle (see the module docstring)."""
     if not eps_max > 0:
         raise ValueError(f"eps_max must be > 0, got {eps_max}")

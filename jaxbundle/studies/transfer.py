@@ -52,7 +52,7 @@ def _fooled(apply_fn, params, x, y) -> jax.Array:
     return jnp.argmax(apply_fn(params, x), axis=-1) != y
 
 
-def transfer_bundle(
+def transfer_bundle(  # noqa: PLR0913 (the public call: bundle()'s keyword options)
     attacks: Sequence[Attack],
     surrogates: Sequence[Model],
     apply_fn: Callable[[Any, jax.Array], jax.Array],
