@@ -429,11 +429,12 @@ def _evaluate(args: argparse.Namespace, console: Console) -> None:
                          indent=2))
         return
     cache = args.cache_dir or str(models.default_cache_dir())
-    with job.compilation_cache(None if args.no_compile_cache else os.path.join(cache, "xla")):
+    compiled = None if args.no_compile_cache else os.path.join(cache, "xla")
+    with job.compilation_cache(compiled):  # training the demo models and the shifts too
         options = job.JobOptions(
             out=args.out, shifts=not args.no_shifts, checkpoint_dir=args.checkpoint_dir,
             save_images=args.save_images, best_effort=args.best_effort, surrogates=surrogates,
-            bpda=args.bpda, auto_batch=args.batch_size == "auto")
+            bpda=args.bpda, auto_batch=args.batch_size == "auto", compile_cache=compiled)
         path, _ = job.run_job(refs, source, plan, options, threat_model=preset,
                               console=console, show_progress=not args.no_progress)
     if path is not None:

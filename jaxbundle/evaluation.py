@@ -38,6 +38,7 @@ from jaxbundle.report import schema
 from jaxbundle.report.metrics import Counts, Setting
 from jaxbundle.report.outputs import curve_metrics, kind_distortions, stochastic_metrics
 from jaxbundle.run import adapters, checkpoint, runners
+from jaxbundle.run import compile_cache as compile_cache_lib
 from jaxbundle.run import checks as checks_lib
 from jaxbundle.run.checkpoint import load_images  # noqa: F401  (the images a run wrote)
 
@@ -118,22 +119,6 @@ def _stored_on_grid(source: data_lib.Source, judging: str) -> bool:
     return False
 
 
-def _local_rows_match(sharding: NamedSharding, batch_size: int, shape: tuple[int, ...]) -> None:
-    """The rows of a global batch this process's devices hold must be its ``p``-th slice."""
-    p, count = jax.process_index(), jax.process_count()
-    rows = sorted(
-        r
-        for index in sharding.addressable_devices_indices_map((batch_size, *shape)).values()
-        for r in range(*index[0].indices(batch_size))
-    )
-    per = batch_size // count
-    if sorted(set(rows)) != list(range(p * per, (p + 1) * per)):
-        raise ValueError(
-            "the mesh must list each process's devices together and in process order (as "
-            "jax.devices() does), so that each process feeds a contiguous slice of the batch"
-        )
-
-
 class _Run(NamedTuple):
     """One evaluation: the plan (its batch size as run), the model as attacked, the data and
     how batches are placed."""
@@ -154,23 +139,9 @@ class _Run(NamedTuple):
         return Setting.of(self.model.attacks, self.model.goal_names)
 
 
-def balanced_batch(batch_size: int, n: int, devices: int = 1) -> int:
-    """The batch size a run of ``n`` examples uses under a plan's ``batch_size``: as many
-    batches as ``batch_size`` needs, of about equal size, rounded up to a multiple of the
-    largest power of two dividing ``batch_size`` (so the same on one CPU and on any
-    power-of-two mesh that divides the batch size; ``batch_size`` itself where ``devices``
-    does not divide that). Every batch then has the same bucket sizes and about the same
-    survivors, so the programs compiled for the first batch serve the others; a small last
-    batch (250 + 6 for 256 examples) would compile a cascade's every stage again at its own
-    sizes."""
-    grain = batch_size & -batch_size  # the largest power of two dividing it
-    size = min(batch_size, -(-(-(-n // -(-n // batch_size))) // grain) * grain)
-    return size if size % devices == 0 else batch_size
-
-
 def _start(apply_fn, params, source, plan, mesh) -> _Run:
     """The run of ``plan`` on ``source``: the model adapted, the batch size as run
-    (:func:`balanced_batch`), params replicated over the mesh."""
+    (:func:`jaxbundle.data.balanced_batch`), params replicated over the mesh."""
     apply_fn, attacks = for_model(plan, apply_fn)
     if len(source) == 0:
         raise ValueError(f"the dataset {source.name} is empty")
@@ -181,10 +152,11 @@ def _start(apply_fn, params, source, plan, mesh) -> _Run:
     if plan.run.batch_size % devices:
         raise ValueError(f"batch_size {plan.run.batch_size} must be a multiple of {devices} "
                          "devices")
-    plan = plan.replace(batch_size=balanced_batch(plan.run.batch_size, len(source), devices))
+    size = data_lib.balanced_batch(plan.run.batch_size, len(source), devices)
+    plan = plan.replace(batch_size=size)
     if mesh is not None:
         sharding = NamedSharding(mesh, PartitionSpec("batch"))
-        _local_rows_match(sharding, plan.run.batch_size, source.shape)
+        data_lib.check_local_rows(sharding, plan.run.batch_size, source.shape)
         params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
     model = runners.Model(params, attacks, jax.random.key(plan.run.seed), mesh,
                           plan.rules(apply_fn, attacks))
@@ -204,6 +176,7 @@ def evaluate(  # noqa: PLR0913 (the public call: keyword-only options after the 
     keep_images: bool | None = None,
     gallery: int = 8,
     progress: Callable[[int, int], None] | None = None,
+    compile_cache: str | os.PathLike | None = "auto",
 ) -> Evaluation:
     """Evaluates a model under a plan: what ``jaxbundle evaluate`` runs for each model.
 
@@ -229,49 +202,68 @@ def evaluate(  # noqa: PLR0913 (the public call: keyword-only options after the 
         in memory).
       gallery: how many fooled examples :attr:`Evaluation.gallery` shows (the first ones).
       progress: called as ``progress(batches_done, batches_total)``.
+      compile_cache: JAX's persistent compilation cache for the run: ``"auto"`` (default:
+        ``$JAXBUNDLE_CACHE/xla``, unless JAX has one configured or ``$JAXBUNDLE_COMPILE_CACHE``
+        says otherwise, ``off`` for none: :mod:`jaxbundle.run.compile_cache`), a directory, or
+        None (JAX's configuration as it is).
 
     Returns:
       An :class:`Evaluation`. Adversarial images are uint8 when every clean image is stored on
       the 8-bit grid and judged there, else float32 (the judged images exactly).
     """
-    apply_fn, params, source = _model_and_data(model, params, data, plan)
-    run = _start(apply_fn, params, source, plan, mesh)
-    keep_images = bool(getattr(source, "in_memory", False)) if keep_images is None else keep_images
-    uint8_images = _stored_on_grid(source, plan.threat.judging)
-    if images_dir is not None:
-        os.makedirs(images_dir, exist_ok=True)
-    state, ckpt = _resume(run, apply_fn, params, keep_images, uint8_images, checkpoint_dir)
-    lead = jax.process_index() == 0
-    total = data_lib.num_batches(run.n, run.plan.run.batch_size)
-    model_checks, certify_seconds = None, 0.0  # this process's first rows; its own seconds
-    for index in range(state.batches_done, total):
-        bx, batch = _read_batch(run, index, check_classes=index == state.batches_done)
-        if index == 0:
-            model_checks = checks_lib.model_checks(run.model.apply_fn, params, bx[:CHECKED],
-                                                   run.model.attacks)
-        counts, outputs, stage_counts, arrays = _attack_batch(run, index, bx, batch)
-        certify_seconds += _certify_batch(run, arrays, outputs)
-        x_adv = outputs.pop("x_adv")
-        if uint8_images:
-            x_adv = np.round(x_adv * norms.PIXEL_LEVELS).astype(np.uint8)
-        if images_dir is not None and lead:
-            checkpoint.save_images(images_dir, index, x_adv, outputs["example_id"])
-        if keep_images:
-            outputs["x_adv"] = x_adv
-        state = _add_batch(state, counts, outputs, stage_counts, x_adv, gallery)
-        if ckpt is not None and lead:
-            checkpoint.save(*ckpt, state)
-        if progress is not None:
-            progress(index + 1, total)
-    if model_checks is None:  # resumed: the first batch came from the checkpoint
-        first = data_lib.local_batch(source, 0, run.plan.run.batch_size, *run.process)
-        model_checks = checks_lib.model_checks(run.model.apply_fn, params,
-                                               data_lib.to_unit_float(first.x)[:CHECKED],
-                                               run.model.attacks)
-    metrics, per_example = _results(run, state, model_checks, certify_seconds)
-    return Evaluation(metrics=metrics, per_example=per_example,
-                      attack_names=tuple(a.name for a in run.model.attacks),
-                      gallery=_gallery(source, state))
+    with compile_cache_lib.compilation_cache(compile_cache_lib.directory(compile_cache)):
+        apply_fn, params, source = _model_and_data(model, params, data, plan)
+        run = _start(apply_fn, params, source, plan, mesh)
+        if keep_images is None:
+            keep_images = bool(getattr(source, "in_memory", False))
+        uint8_images = _stored_on_grid(source, plan.threat.judging)
+        if images_dir is not None:
+            os.makedirs(images_dir, exist_ok=True)
+        state, ckpt = _resume(run, apply_fn, params, keep_images, uint8_images, checkpoint_dir)
+        lead = jax.process_index() == 0
+        total = data_lib.num_batches(run.n, run.plan.run.batch_size)
+        model_checks, certify_seconds = None, 0.0  # this process's first rows; its own seconds
+        for index in range(state.batches_done, total):
+            bx, batch = _read_batch(run, index, check_classes=index == state.batches_done)
+            if index == 0:
+                model_checks = _model_checks(run, params, bx)
+            counts, outputs, stage_counts, arrays = _attack_batch(run, index, bx, batch)
+            certify_seconds += _certify_batch(run, arrays, outputs)
+            x_adv = _images(outputs, uint8_images, keep_images)
+            if images_dir is not None and lead:
+                checkpoint.save_images(images_dir, index, x_adv, outputs["example_id"])
+            state = _add_batch(state, counts, outputs, stage_counts, x_adv, gallery)
+            if ckpt is not None and lead:
+                checkpoint.save(*ckpt, state)
+            if progress is not None:
+                progress(index + 1, total)
+        if model_checks is None:  # resumed: the first batch came from the checkpoint
+            model_checks = _model_checks(run, params)
+        metrics, per_example = _results(run, state, model_checks, certify_seconds)
+        return Evaluation(metrics=metrics, per_example=per_example,
+                          attack_names=tuple(a.name for a in run.model.attacks),
+                          gallery=_gallery(source, state))
+
+
+def _model_checks(run: _Run, params: Any, first: np.ndarray | None = None) -> dict:
+    """The model-level checks on this process's first rows of batch 0 (``first``, or read
+    again when the run resumed after it)."""
+    if first is None:
+        batch = data_lib.local_batch(run.source, 0, run.plan.run.batch_size, *run.process)
+        first = data_lib.to_unit_float(batch.x)
+    return checks_lib.model_checks(run.model.apply_fn, params, first[:CHECKED],
+                                   run.model.attacks)
+
+
+def _images(outputs: dict, uint8: bool, keep: bool) -> np.ndarray:
+    """A batch's judged images, taken out of ``outputs`` (uint8 where every clean image is
+    stored on the grid and judged there) and put back as ``x_adv`` if they are kept."""
+    x_adv = outputs.pop("x_adv")
+    if uint8:
+        x_adv = np.round(x_adv * norms.PIXEL_LEVELS).astype(np.uint8)
+    if keep:
+        outputs["x_adv"] = x_adv
+    return x_adv
 
 
 def _model_and_data(model: Any, params: Any, data: Any, plan: Plan) -> tuple[Callable, Any,

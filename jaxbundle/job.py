@@ -12,21 +12,22 @@
 3. measures the natural shifts on the first examples, and, if asked, RoBIC's best-effort
    distortions and the transfer from surrogate models;
 
-then prints the tables and writes the report (process 0 only). :func:`compilation_cache` keeps
-compiled programs on disk so that the same command run again does not compile again.
+then prints the tables and writes the report (process 0 only). Compiled programs are kept on
+disk (``JobOptions.compile_cache``, :mod:`jaxbundle.run.compile_cache`), so that the same
+command run again does not compile again.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
-from typing import Any, Callable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
 import numpy as np
 
 from jaxbundle.run import checks
+from jaxbundle.run.compile_cache import compilation_cache  # noqa: F401 (re-exported)
 from jaxbundle.run import progress as progress_lib
 from jaxbundle.report import curves
 from jaxbundle import data as data_lib
@@ -123,33 +124,6 @@ def start_distributed(
     )
 
 
-@contextlib.contextmanager
-def compilation_cache(directory: str | os.PathLike | None) -> Iterator[None]:
-    """JAX's persistent compilation cache in ``directory`` while the block runs (``None``: no
-    change): programs compiled once are read back by every later run with the same shapes,
-    code and JAX version. The previous settings are restored afterwards, so a command run
-    inside another program (a test, a notebook) leaves its JAX configuration as it was."""
-    if directory is None:
-        yield
-        return
-    from jax._src import compilation_cache as cache_lib
-
-    directory = os.fspath(directory)
-    os.makedirs(directory, exist_ok=True)
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-             "jax_persistent_cache_min_entry_size_bytes")
-    previous = {name: getattr(jax.config, name) for name in names}
-    for name, value in zip(names, (directory, 0.0, 0)):
-        jax.config.update(name, value)
-    cache_lib.reset_cache()
-    try:
-        yield
-    finally:
-        for name, value in previous.items():
-            jax.config.update(name, value)
-        cache_lib.reset_cache()
-
-
 def _in_memory(source: data_lib.Source, n: int) -> tuple[np.ndarray, np.ndarray]:
     x, y = source.read(0, n)
     return data_lib.to_unit_float(x), np.asarray(y, np.int32)
@@ -240,6 +214,7 @@ class JobOptions(NamedTuple):
     surrogates: Sequence[ModelRef] = ()  # models the attacker owns: transfer of their candidates
     bpda: bool = False  # attack the models that declare a preprocessing with BPDA
     auto_batch: bool = False  # each model's batch size fitted to the memory (jaxbundle.run.memory)
+    compile_cache: str | None = "auto"  # jaxbundle.evaluate's (jaxbundle.run.compile_cache)
 
 
 def run_job(
@@ -339,6 +314,7 @@ def _evaluate_model(ref: ModelRef, apply_fn: Callable, params: Any, source: data
         checkpoint_dir=ckpt,
         images_dir=os.path.join(job.out, "adversarial", ref.name) if job.save_images else None,
         progress=lambda done, total: progress.update(task, completed=done, total=total),
+        compile_cache=job.compile_cache,
     )
     extras: dict[str, Any] = {"model": ref.origin}
     pe = evaluation.per_example

@@ -79,6 +79,9 @@ def pytest_configure(config):
     # cost more than the rare hits saved (the stochastic and conformance modules, one process:
     # 575 compiles, 18 hits that saved nothing, 8.5 s spent writing and reading; the schedule
     # module: 74 hits, 9.5 s spent). JAXBUNDLE_TEST_COMPILE_CACHE=DIR turns one on for a run.
+    # jaxbundle.evaluate uses one by default (jaxbundle.run.compile_cache): off here, for the
+    # tests and the processes they start; tests/test_compile_cache.py runs the default alone.
+    os.environ.setdefault("JAXBUNDLE_COMPILE_CACHE", "off")
     if directory := os.environ.get("JAXBUNDLE_TEST_COMPILE_CACHE"):
         for name, value in (("jax_compilation_cache_dir", directory),
                             ("jax_persistent_cache_min_compile_time_secs", 0.0),

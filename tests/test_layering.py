@@ -93,7 +93,7 @@ LAYERS = {
     "certify": {"core", "report"},
     "data": {"core"},
     "models": {"core", "data", "certify", "run"},
-    "run": {"core", "attacks", "report", "certify", "plan", "suites"},
+    "run": {"core", "attacks", "report", "certify"},
     "studies": {"core", "attacks", "report"},
 }
 

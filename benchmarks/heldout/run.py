@@ -279,7 +279,28 @@ def run_candidate(name, extra, apply_fn, params, x, y, eps, norm, rounds, aa, se
                    for s in stages],
         "seed": seed, "judging": judging,
         "robust": "".join("1" if r else "0" for r in robust),
+        "fooled_by": _fooled_by(result),
+        "black_box_beats_white_box": (result.metrics["checks"].get(
+            "black_box_beats_white_box") or {}).get("examples"),
     }
+
+
+def _fooled_by(result) -> str:
+    """Per example, the first of the candidate's attacks that fooled it, as the AutoAttack
+    component it stands for (``AA_ATTACKS``' index: ``0`` APGD-CE ... ``3`` Square; ``-``: not
+    fooled or wrong when clean; ``?``: an attack that is none of them)."""
+    pe = result.per_example
+    success = np.asarray(pe["attack_success"], bool) & (
+        pe["clean_prediction"] == pe["label"])[:, None]
+    first = np.where(success.any(1), success.argmax(1), -1)
+    names = result.attack_names
+    return "".join("-" if k < 0 else _component(names[k]) for k in first)
+
+
+def _component(attack: str) -> str:
+    base = attack.split("-")[0] + ("-t" if attack.startswith(("apgd-t", "fab-t")) else "")
+    base = {"apgd": "apgd-ce"}.get(base, base)
+    return str(AA_ATTACKS.index(base)) if base in AA_ATTACKS else "?"
 
 
 # ---------------------------------------------------------------------------- the run
@@ -301,7 +322,7 @@ def _done(paths: list[str]) -> set[tuple[str, str, str, str, str]]:
                 if line.strip():
                     r = json.loads(line)
                     done.add((r["model"], r["norm"], f"{r['eps']:.6f}", r["candidate"],
-                              r.get("judging", "auto")))
+                              r.get("judging", "auto"), r.get("seed", 0)))
     return done
 
 
@@ -321,7 +342,7 @@ def run(args, candidates: list[tuple[str, dict]], log: Callable[[str], None]) ->
                     continue
                 label = f"{setting.model} {norm} {eps:.4f}"
                 todo = [(c, e) for c, e in candidates
-                        if (setting.model, norm, f"{eps:.6f}", c, judging) not in done]
+                        if (setting.model, norm, f"{eps:.6f}", c, judging, args.seed) not in done]
                 if not todo:
                     log(f"{label}: done already")
                     continue
@@ -340,6 +361,8 @@ def run(args, candidates: list[tuple[str, dict]], log: Callable[[str], None]) ->
                 note = "" if reported else " [not reported]"
                 log(f"{label}: AutoAttack {aa['robust_accuracy']:.1f} % ({aa['seconds']:.0f} s,"
                     f" {aa['passes_per_example']:.0f} passes/ex){note}")
+                if not reported and getattr(args, "reported_only", False):
+                    continue
                 for name, extra in todo:
                     row = run_candidate(name, extra, apply_fn, params, x, y, eps, norm,
                                         args.rounds, aa, args.seed, judging)
@@ -395,6 +418,8 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--aa-cache", default=None, metavar="DIR")
     parser.add_argument("--out", default=None, metavar="JSONL")
+    parser.add_argument("--reported-only", action="store_true",
+                        help="run the candidates only where AutoAttack's figure is reported")
     parser.add_argument("--cached-only", action="store_true",
                         help="skip the settings --aa-cache holds no AutoAttack run of")
     parser.add_argument("--skip-done", nargs="*", default=[], metavar="JSONL",

@@ -13,7 +13,8 @@
 * :mod:`~jaxbundle.certify.smoothing`: randomised smoothing, Cohen et al.'s CERTIFY for a
   model declared with :func:`gaussian`.
 * :mod:`~jaxbundle.certify.run`: certification inside :func:`jaxbundle.evaluate`
-  (``Plan(certify=...)``, ``--certify``) and the report's ``certified`` record.
+  (the plan's ``Certify`` record: ``plan.replace(certify=...)``, ``--certify``) and the
+  report's ``certified`` record.
 
 Every bound is a statement about the model's float32 outputs as the judge computes them
 (matrix products at ``Precision.HIGHEST``, :mod:`jaxbundle.core.arithmetic`), computed at that

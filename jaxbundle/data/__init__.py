@@ -25,7 +25,8 @@ from __future__ import annotations
 import numpy as np
 
 from jaxbundle.data.base import ArraySource, Source, head, local_batch
-from jaxbundle.data.batching import Batch, batches, num_batches
+from jaxbundle.data.batching import (Batch, balanced_batch, batches, check_local_rows,
+                                     num_batches)
 from jaxbundle.data.dataset import Dataset
 from jaxbundle.data.images import (check_labels, check_n, check_pixels, to_unit_float, translate,
                                    validate_images)
@@ -38,7 +39,9 @@ __all__ = [
     "Dataset",
     "SOURCE_FORMS",
     "Source",
+    "balanced_batch",
     "batches",
+    "check_local_rows",
     "head",
     "load_mnist_sample",
     "load_tfds",

@@ -3,13 +3,14 @@ jitted code never sees a new shape."""
 
 from __future__ import annotations
 
-from typing import Iterator, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
+import jax
 import numpy as np
 
 from jaxbundle.data.dataset import Dataset
 
-__all__ = ["Batch", "batches", "num_batches"]
+__all__ = ["Batch", "balanced_batch", "batches", "check_local_rows", "num_batches"]
 
 
 class Batch(NamedTuple):
@@ -105,3 +106,35 @@ def _batch_iter(
         mask = rows < n
         ids = np.minimum(rows, n - 1).astype(np.int32)
         yield Batch(x=x[ids], y=y[ids], mask=mask, example_id=ids)
+
+
+def balanced_batch(batch_size: int, n: int, devices: int = 1) -> int:
+    """The batch size a run of ``n`` examples uses under a plan's ``batch_size``: as many
+    batches as ``batch_size`` needs, of about equal size, rounded up to a multiple of the
+    largest power of two dividing ``batch_size`` (so the same on one CPU and on any
+    power-of-two mesh that divides the batch size; ``batch_size`` itself where ``devices``
+    does not divide that). Every batch then has the same bucket sizes and about the same
+    survivors, so the programs compiled for the first batch serve the others; a small last
+    batch (250 + 6 for 256 examples) would compile a cascade's every stage again at its own
+    sizes."""
+    grain = batch_size & -batch_size  # the largest power of two dividing it
+    size = min(batch_size, -(-(-(-n // -(-n // batch_size))) // grain) * grain)
+    return size if size % devices == 0 else batch_size
+
+
+def check_local_rows(sharding: Any, batch_size: int, shape: tuple[int, ...]) -> None:
+    """The rows of a global batch that this process's devices hold under ``sharding`` (a
+    ``NamedSharding`` over the batch axis) must be its ``p``-th slice, the rows
+    :func:`jaxbundle.data.local_batch` reads."""
+    p, count = jax.process_index(), jax.process_count()
+    rows = sorted(
+        r
+        for index in sharding.addressable_devices_indices_map((batch_size, *shape)).values()
+        for r in range(*index[0].indices(batch_size))
+    )
+    per = batch_size // count
+    if sorted(set(rows)) != list(range(p * per, (p + 1) * per)):
+        raise ValueError(
+            "the mesh must list each process's devices together and in process order (as "
+            "jax.devices() does), so that each process feeds a contiguous slice of the batch"
+        )

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxbundle.run import files
+from jaxbundle.run.compile_cache import cache_root
 from jaxbundle.models.architectures import ApplyFn, Params, model_for, model_name
 from jaxbundle.models.training import (
     ADVERSARIAL,
@@ -60,12 +61,7 @@ MODELS: dict[str, TrainConfig] = {
 }
 
 
-def default_cache_dir() -> pathlib.Path:
-    """``$JAXBUNDLE_CACHE`` if set, else ``~/.cache/jaxbundle``."""
-    env = os.environ.get("JAXBUNDLE_CACHE")
-    if env:
-        return pathlib.Path(env).expanduser()
-    return pathlib.Path.home() / ".cache" / "jaxbundle"
+default_cache_dir = cache_root  # ``$JAXBUNDLE_CACHE`` if set, else ``~/.cache/jaxbundle``
 
 
 def _dataset_fingerprint(config: TrainConfig, dataset: Any | None) -> str:
