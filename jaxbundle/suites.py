@@ -35,6 +35,8 @@ PAPERS = {
     "cw": "Carlini & Wagner 2017, Towards Evaluating the Robustness of Neural Networks",
     "fmn": "Pintor, Roli, Brendel & Biggio 2021, Fast Minimum-norm Adversarial Attacks through "
            "Adaptive Norm Constraints",
+    "ddn": "Rony, Hafemann, Oliveira, Ben Ayed, Sabourin & Granger 2019, Decoupling Direction "
+           "and Norm for Efficient Gradient-Based L2 Adversarial Attacks and Defenses",
     "deepfool": "Moosavi-Dezfooli, Fawzi & Frossard 2016, DeepFool: a simple and accurate "
                 "method to fool deep neural networks",
     "fab": "Croce & Hein 2020, Minimally distorted Adversarial Examples with a Fast Adaptive "
@@ -121,6 +123,8 @@ ATTACKS: dict[str, NamedAttack] = {r.name: r for r in (
     _record("cw-l2-light", "cw", _normless(attacks_lib.cw), _STEPS, ("l2",)),
     _record("cw-l2", "cw", _cw_reference, _STEPS, ("l2",)),
     _record("deepfool", "deepfool", attacks_lib.deepfool, _STEPS),
+    # DDN: L2 only; AttackBench ranks it first per gradient in L2 with APGD.
+    _record("ddn", "ddn", _normless(attacks_lib.ddn), _STEPS, ("l2",)),
     # AutoAttack's FAB-T in the reference's order (a fresh gradient after a step back): on the
     # demo adversarial CNN at L2 1.5 it left 50.4 % against torchattacks' 49.2 %, the one-pass
     # order 51.6 % (experiments/fidelity_fab.py).

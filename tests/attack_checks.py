@@ -75,13 +75,20 @@ def check_deterministic_and_vmappable(attack, model, x, y) -> None:
     the same state, and a step of restart 1 under ``vmap`` over restarts is the lone one's."""
     a = run_steps(attack, model, None, x, y, None, attack.num_steps)[0][-1]
     b = run_steps(attack, model, None, x, y, None, attack.num_steps)[0][-1]
-    jax.tree.map(np.testing.assert_array_equal, a, b)
+    jax.tree.map(lambda u, v: np.testing.assert_array_equal(_plain(u), _plain(v)), a, b)
 
     def run(r):
         state = attack.init(attack.config, None, x, y, None, model, r)
         return attack.step(attack.config, state, model)[0].x
 
     np.testing.assert_allclose(jax.vmap(run)(jnp.arange(2))[1], run(1), rtol=1e-6, atol=1e-6)
+
+
+def _plain(a):
+    """An array as numpy; a PRNG key array as its key data."""
+    if jnp.issubdtype(a.dtype, jax.dtypes.prng_key):
+        a = jax.random.key_data(a)
+    return np.asarray(a)
 
 
 def check_states_keep_shape(states, batch) -> None:

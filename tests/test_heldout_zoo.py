@@ -263,7 +263,8 @@ def test_a_cached_autoattack_run_is_tied_to_the_weights_it_attacked(tmp_path):
 
 def test_candidates_can_be_judged_as_autoattack_is(tmp_path):
     """run.py --judging: the candidate's plan judges as asked (the CLI's "auto" by default,
-    float32 as AutoAttack's images are judged), rows already run are told apart by it, and
+    float32 as AutoAttack's images are judged), rows already run are told apart by it and by
+    their seed, and
     agreement.py names a row judged otherwise than the CLI judges."""
     import json
 
@@ -278,9 +279,13 @@ def test_candidates_can_be_judged_as_autoattack_is(tmp_path):
                              ("autoattack", {"judging": "float"}))]
     path = tmp_path / "rows.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    assert run._done([str(path)]) == {("m", "l2", "0.500000", "default", "auto"),
-                                      ("m", "l2", "0.500000", "default", "float"),
-                                      ("m", "l2", "0.500000", "autoattack", "float")}
+    assert run._done([str(path)]) == {("m", "l2", "0.500000", "default", "auto", 0),
+                                      ("m", "l2", "0.500000", "default", "float", 0),
+                                      ("m", "l2", "0.500000", "autoattack", "float", 0)}
+    # a row of another seed is another run (AutoAttack's spread is measured over seeds)
+    other = tmp_path / "seed1.jsonl"
+    other.write_text(json.dumps(dict(rows[2], seed=1)) + "\n")
+    assert run._done([str(other)]) == {("m", "l2", "0.500000", "autoattack", "float", 1)}
     key = "heldout_m_l2_0.500000_n2"
     (tmp_path / f"{key}.json").write_text(json.dumps({"robust": [1, 0]}))
     references, candidates = agreement.load([str(path)], [str(tmp_path)])[key]

@@ -15,6 +15,7 @@ from jaxbundle.attacks.score_based.square import square
 from jaxbundle.attacks.white_box.apgd import apgd
 from jaxbundle.attacks.white_box.bp import bp
 from jaxbundle.attacks.white_box.cw import cw, cw_reference
+from jaxbundle.attacks.white_box.ddn import ddn
 from jaxbundle.attacks.white_box.deepfool import deepfool
 from jaxbundle.attacks.white_box.fab import fab
 from jaxbundle.attacks.white_box.fgsm import fgsm
@@ -32,6 +33,7 @@ __all__ = [
     "bp",
     "cw",
     "cw_reference",
+    "ddn",
     "deepfool",
     "fab",
     "fmn",
