@@ -85,6 +85,7 @@ def test_load_assembles_the_runs_of_a_setting(tmp_path):
             "seconds_warm": 1.0, "stages": []}
     rows = [dict(base, candidate="autoattack", seed=2, robust="001"),
             dict(base, candidate="autoattack", seed=1, robust="011"),
+            dict(base, candidate="default", seed=0, robust="101"),
             dict(base, candidate="default", seed=0, robust="111", fooled_by="---"),
             dict(base, candidate="default", seed=1, robust="000", judging="auto"),
             dict(base, model="other", candidate="default", seed=0, robust="111")]
@@ -98,5 +99,6 @@ def test_load_assembles_the_runs_of_a_setting(tmp_path):
     (s,) = settings
     assert [r.robust.tolist() for r in s.autoattack] == [
         [True, False, False], [False, True, True], [False, False, True]]
-    assert s.autoattack[0].fooled_by == "-03" and len(s.default) == 1
+    assert s.autoattack[0].fooled_by == "-03" and len(s.default) == 1  # the rerun of seed 0
+    assert s.default[0].fooled_by == "---"
     assert incomplete == ["heldout_other_linf_0.100000_n3"]

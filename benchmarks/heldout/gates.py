@@ -192,9 +192,8 @@ def load(paths: list[str], aa_cache: str, judging: str = "float",
             references.append(Run(np.asarray(aa["robust"], bool),
                                   "".join("-" if c < 0 else str(c) for c in aa["fooled_by"]),
                                   aa.get("passes_per_example"), aa.get("seconds")))
-        for row in sorted(by.get("autoattack", []), key=lambda r: r.get("seed", 0)):
-            references.append(_run(row))
-        defaults = sorted(by.get("default", []), key=lambda r: r.get("seed", 0))
+        references += [_run(row) for row in _by_seed(by.get("autoattack", []))]
+        defaults = _by_seed(by.get("default", []))
         if len(references) < runs or not defaults:
             incomplete.append(key)
             continue
@@ -205,6 +204,12 @@ def load(paths: list[str], aa_cache: str, judging: str = "float",
                           for s in d.get("stages", [])),
             black_box_fires=any(d.get("black_box_beats_white_box") for d in defaults)))
     return settings, incomplete
+
+
+def _by_seed(rows: list[dict]) -> list[dict]:
+    """One row per seed, in seed order: the last one read of each (a later file's rerun
+    replaces an earlier row)."""
+    return [row for _, row in sorted({r.get("seed", 0): r for r in rows}.items())]
 
 
 def _run(row: dict) -> Run:
