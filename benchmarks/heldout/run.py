@@ -237,12 +237,13 @@ def _robust(result) -> np.ndarray:
 
 
 def run_candidate(name, extra, apply_fn, params, x, y, eps, norm, rounds, aa, seed=0,
-                  judging="auto") -> dict:
+                  judging="auto", count=True) -> dict:
     """One candidate: its first call in the process (cold, timed), a run with the model passes
-    counted at the model boundary, then ``rounds`` warm timed runs; compared with AutoAttack's
-    per-example verdicts ``aa`` (judged in float32). ``judging``: the plan's (``"auto"``, as
-    the CLI runs it: on the 8-bit grid where the clean image is on it; ``"float"``, as
-    AutoAttack's images are judged)."""
+    counted at the model boundary (``count``; without it the row's passes are None: a
+    reference run whose verdicts alone are wanted), then ``rounds`` warm timed runs; compared
+    with AutoAttack's per-example verdicts ``aa`` (judged in float32). ``judging``: the plan's
+    (``"auto"``, as the CLI runs it: on the 8-bit grid where the clean image is on it;
+    ``"float"``, as AutoAttack's images are judged)."""
     plan = _plan(name, norm, eps, len(y), extra, seed, judging)
 
     def evaluate(fn):
@@ -253,7 +254,7 @@ def run_candidate(name, extra, apply_fn, params, x, y, eps, norm, rounds, aa, se
     cold = time.perf_counter() - start
     robust = _robust(result)
     counts = {"forward": 0, "backward": 0}
-    same = np.array_equal(_robust(evaluate(counting(apply_fn, counts))), robust)
+    same = not count or np.array_equal(_robust(evaluate(counting(apply_fn, counts))), robust)
     jax.effects_barrier()
     warm = []
     for _ in range(rounds):
@@ -265,14 +266,15 @@ def run_candidate(name, extra, apply_fn, params, x, y, eps, norm, rounds, aa, se
         raise SystemExit(f"{name}: the timed and the counted runs disagree")
     robust_aa = np.asarray(aa["robust"], bool)
     missed = robust & ~robust_aa
-    passes = (counts["forward"] + counts["backward"]) / len(y)
+    passes = (counts["forward"] + counts["backward"]) / len(y) if count else None
     stages = (result.metrics.get("schedule") or {}).get("stages") or []
     return {
         "robust_accuracy": 100 * float(robust.mean()),
         "missed": int(missed.sum()), "extra": int((~robust & robust_aa).sum()),
         "missed_by_aa_attack": {AA_ATTACKS[k]: int(np.sum(missed & (np.asarray(
             aa["fooled_by"]) == k))) for k in range(4)},
-        "passes_per_example": passes, "passes_ratio": passes / aa["passes_per_example"],
+        "passes_per_example": passes,
+        "passes_ratio": None if passes is None else passes / aa["passes_per_example"],
         "seconds_cold": cold, "seconds_warm": statistics.median(warm) if warm else None,
         "warm_ratio": statistics.median(warm) / aa["seconds"] if warm else None,
         "stages": [{k: s.get(k) for k in ("attack", "survivors", "examples", "robust_accuracy")}
@@ -365,10 +367,11 @@ def run(args, candidates: list[tuple[str, dict]], log: Callable[[str], None]) ->
                     continue
                 for name, extra in todo:
                     row = run_candidate(name, extra, apply_fn, params, x, y, eps, norm,
-                                        args.rounds, aa, args.seed, judging)
+                                        args.rounds, aa, args.seed, judging,
+                                        count=not getattr(args, "no_count", False))
                     log(f"  {name}: {row['robust_accuracy']:.1f} %, missed {row['missed']} "
                         f"{row['missed_by_aa_attack']}, extra {row['extra']}, passes "
-                        f"{row['passes_ratio']:.3f}, warm {row['warm_ratio']}, cold "
+                        f"{_ratio(row['passes_ratio'])}, warm {row['warm_ratio']}, cold "
                         f"{row['seconds_cold']:.1f} s")
                     if args.out:
                         with open(args.out, "a") as f:
@@ -396,8 +399,12 @@ def markdown(rows: list[dict]) -> str:
             f"{'' if r['reported'] else ' (not reported)'} | {aa['robust_accuracy']:.1f} "
             f"({aa['passes_per_example']:.0f}, {aa['seconds']:.0f}) | {r['candidate']} | "
             f"{r['robust_accuracy']:.1f} | {r['missed']} {by or ''} / {r['extra']} | "
-            f"{r['passes_ratio']:.3f} | {warm} |")
+            f"{_ratio(r['passes_ratio'])} | {warm} |")
     return "\n".join(lines)
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def main(argv=None) -> None:
@@ -418,6 +425,8 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--aa-cache", default=None, metavar="DIR")
     parser.add_argument("--out", default=None, metavar="JSONL")
+    parser.add_argument("--no-count", action="store_true",
+                        help="skip the counted run (passes None): reference runs' verdicts")
     parser.add_argument("--reported-only", action="store_true",
                         help="run the candidates only where AutoAttack's figure is reported")
     parser.add_argument("--cached-only", action="store_true",
