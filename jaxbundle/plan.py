@@ -40,7 +40,7 @@ from jaxbundle.attacks.base import Attack
 from jaxbundle.core import goals as goals_lib
 from jaxbundle.core import judge, norms, validation
 from jaxbundle.core.bundler import Rules
-from jaxbundle.core.validation import is_int, is_number
+from jaxbundle.core.validation import as_plain, is_int, is_number
 from jaxbundle.run.runners import Cascade, Full
 
 __all__ = ["AttackSpec", "CERTIFY_METHODS", "Cascade", "Certify", "DEFAULT_GOALS", "Full",
@@ -64,16 +64,6 @@ class AttackSpec(NamedTuple):
     queries: int | None = None
 
 
-def _plain(record: Any, floats: tuple[str, ...] = (), ints: tuple[str, ...] = ()) -> None:
-    """numpy and JAX scalars of a frozen record's fields as plain Python numbers (hashable)."""
-    for field in floats:
-        if is_number(getattr(record, field)):
-            object.__setattr__(record, field, float(getattr(record, field)))
-    for field in ints:
-        if is_int(getattr(record, field)):
-            object.__setattr__(record, field, int(getattr(record, field)))
-
-
 @dataclasses.dataclass(frozen=True)
 class Threat:
     """The threat model: the ball (``norm``, radius ``eps``), how candidates are judged
@@ -85,7 +75,7 @@ class Threat:
     goals: tuple[str, ...] = DEFAULT_GOALS
 
     def __post_init__(self):
-        _plain(self, floats=("eps",))
+        as_plain(self, floats=("eps",))
         goals = (self.goals,) if isinstance(self.goals, str) else tuple(self.goals)
         object.__setattr__(self, "goals", goals)
 
@@ -113,7 +103,7 @@ class Suite:
         attacks = (self.attacks,) if isinstance(self.attacks, (str, Attack)) else self.attacks
         object.__setattr__(self, "attacks", tuple(AttackSpec(a) if isinstance(a, str) else a
                                                   for a in attacks))
-        _plain(self, floats=("step_size",), ints=("steps", "restarts", "queries"))
+        as_plain(self, floats=("step_size",), ints=("steps", "restarts", "queries"))
 
     def built(self, norm: str) -> tuple[Attack, ...]:
         """The attacks built for ``norm`` (once per distinct suite: the same values, so jitted
@@ -161,7 +151,7 @@ class Run:
     restart_mode: str = "vmap"
 
     def __post_init__(self):
-        _plain(self, ints=("batch_size", "seed"))
+        as_plain(self, ints=("batch_size", "seed"))
 
     def check(self) -> None:
         if not is_int(self.batch_size) or self.batch_size < 1:
@@ -186,7 +176,7 @@ class Sampling:
     success_threshold: float | None = None
 
     def __post_init__(self):
-        _plain(self, floats=("success_threshold",), ints=("eot", "judge_calls"))
+        as_plain(self, floats=("success_threshold",), ints=("eot", "judge_calls"))
 
     def check(self) -> None:
         for field in ("eot", "judge_calls"):
@@ -208,7 +198,7 @@ class Certify:
     time_limit: float | None = None
 
     def __post_init__(self):
-        _plain(self, floats=("time_limit",))
+        as_plain(self, floats=("time_limit",))
 
     def check(self, norm: str) -> None:
         if self.method not in CERTIFY_METHODS:

@@ -36,6 +36,16 @@ def is_number(value: Any) -> bool:
             and math.isfinite(value))
 
 
+def as_plain(record: Any, floats: tuple[str, ...] = (), ints: tuple[str, ...] = ()) -> None:
+    """numpy and JAX scalars of a frozen record's fields as plain Python numbers (hashable)."""
+    for field in floats:
+        if is_number(getattr(record, field)):
+            object.__setattr__(record, field, float(getattr(record, field)))
+    for field in ints:
+        if is_int(getattr(record, field)):
+            object.__setattr__(record, field, int(getattr(record, field)))
+
+
 def check_pixels(x) -> None:
     """Checks that images (numpy or jax, any shape) are floating point, finite and in [0, 1].
 

@@ -53,8 +53,9 @@ def compilation_cache(path: str | os.PathLike | None) -> Iterator[None]:
     change), every program written however fast it compiled. The previous settings are
     restored afterwards, so a run inside another program (a test, a notebook) leaves its JAX
     configuration as it was."""
-    if path is None:
-        yield
+    settings = (None if path is None else os.fspath(path), 0.0, 0)
+    if path is None or tuple(getattr(jax.config, name) for name in _NAMES) == settings:
+        yield  # nothing to change (the CLI's cache, entered again by jaxbundle.evaluate)
         return
     from jax._src import compilation_cache as cache_lib
 

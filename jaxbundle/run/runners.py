@@ -14,7 +14,6 @@ program. The evaluation driver (:mod:`jaxbundle.evaluation`) calls the plan's
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, ClassVar, Protocol
 
 import jax
@@ -27,7 +26,7 @@ from jaxbundle.core import goals as goals_lib
 from jaxbundle.core.bundler import glue_jit, held_out, run
 from jaxbundle.core.canonical import fast_gradients
 from jaxbundle.core.sampling import is_stochastic
-from jaxbundle.core.validation import is_int, is_number
+from jaxbundle.core.validation import as_plain, is_int, is_number
 from jaxbundle.report.metrics import Counts, Setting
 from jaxbundle.report.outputs import per_example_arrays
 from jaxbundle.run import cascade as cascade_lib
@@ -86,15 +85,9 @@ class Cascade:
     mode: ClassVar[str] = "cascade"
 
     def __post_init__(self):
-        set_ = functools.partial(object.__setattr__, self)
-        for field in ("threshold", "budget"):
-            if is_number(getattr(self, field)):  # numpy and JAX scalars: plain, hashable
-                set_(field, float(getattr(self, field)))
-        for field in ("segments", "buckets"):
-            if is_int(getattr(self, field)):
-                set_(field, int(getattr(self, field)))
+        as_plain(self, floats=("threshold", "budget"), ints=("segments", "buckets"))
         for field in ("focus", "probe", "escalate"):
-            set_(field, _pairs(getattr(self, field)))
+            object.__setattr__(self, field, _pairs(getattr(self, field)))
 
     @property
     def focus_map(self) -> dict[str, float]:
