@@ -20,7 +20,9 @@ plan ``plan(NAME, norm, eps)`` with the flags given applied to it (``--schedule 
     The main job's, strongest for its cost, run as a cascade, each stage on the survivors of the
     ones before: APGD-CE (20 steps) on every example; APGD-CE again with 100 steps
     (``apgd-ce-long``) and APGD-T (``apgd-t5``: 5 targets x 40 steps), each on the more promising
-    half of the survivors (rounded as :mod:`jaxbundle.run.cascade` says); in L2, FAB-T with 3
+    half of the survivors (rounded as :mod:`jaxbundle.run.cascade` says), and on every survivor
+    while they are at most 1/8 of the batch (the plan's ``floor``: where few survive, halving them
+    saves little; tuning set: benchmarks/README.md); in L2, FAB-T with 3
     targets x 50 steps (``fab-t3``) on every survivor (on the tuning set, AutoAttack's FAB-T fooled
     most of what the APGD stages missed in L2), and when it fools 5 % or more of them (gradients
     that mislead APGD on this model) AutoAttack's FAB-T (``fab-t``: 9 targets x 100, the reference's
@@ -61,7 +63,7 @@ from typing import Any, NamedTuple
 from jaxbundle.core import norms
 from jaxbundle import suites
 from jaxbundle.attacks.base import Attack
-from jaxbundle.plan import AttackSpec, Cascade, Full, Plan, Run, Suite, Threat
+from jaxbundle.plan import PAIRS, AttackSpec, Cascade, Full, Plan, Run, Suite, Threat
 
 __all__ = ["BUNDLES", "Bundle", "autoattack", "black_box", "broad", "bundle_attacks", "default",
            "fast", "min_norm", "pgd", "plan", "standard"]
@@ -91,7 +93,8 @@ BUNDLES: dict[str, Bundle] = {
          _a("fab-t3", ("l2",), steps=50), _a("fab-t", ("l2",), steps=100),
          _a("square-aa", queries=5000)),
         Cascade(focus=(("apgd-ce-long", 0.5), ("apgd-t5", 0.5), ("square-aa", 0.06)),
-                segments=6, probe=(("square-aa", 0.05),), escalate=(("fab-t", 0.05),)),
+                floor=(("apgd-ce-long", 0.125), ("apgd-t5", 0.125)), segments=6,
+                probe=(("square-aa", 0.05),), escalate=(("fab-t", 0.05),)),
     ),
     "broad": Bundle((
         _a("fgsm"), _a("pgd-ce", restarts=3), _a("pgd-margin", restarts=3), _a("fmn"),
@@ -117,7 +120,7 @@ def plan(name: str, norm: str = "linf", eps: float | None = None, **fields: Any)
     b = BUNDLES[name]
     attacks = tuple(spec for spec, only in b.attacks
                     if norm in (only or suites.ATTACKS[spec.name].norms))
-    # Run in full, a cascade bundle keeps none of its own cascade settings (focus, probe,
+    # Run in full, a cascade bundle keeps none of its own cascade settings (focus, floor, probe,
     # escalate, segments, buckets, cascade of restarts): every attack, restarts at once, on
     # every example. Settings of an attack the norm leaves out go with it.
     mode = fields.pop("mode", b.schedule.mode)
@@ -126,7 +129,7 @@ def plan(name: str, norm: str = "linf", eps: float | None = None, **fields: Any)
         own = b.schedule if isinstance(b.schedule, Cascade) else Cascade()
         names = {spec.name for spec in attacks}
         kept = {f: tuple((n, v) for n, v in getattr(own, f) if n in names)
-                for f in ("focus", "probe", "escalate")}
+                for f in PAIRS}
         schedule, restart_mode = dataclasses.replace(own, **kept), b.restart_mode
     base = Plan(Threat(eps, norm), Suite(attacks, bundle=name), schedule,
                 Run(restart_mode=restart_mode))

@@ -23,7 +23,7 @@ from rich.table import Table
 
 from jaxbundle import bundles
 from jaxbundle.bundles import BUNDLES, bundle_attacks
-from jaxbundle.plan import CERTIFY_METHODS, MODES, Plan
+from jaxbundle.plan import CERTIFY_METHODS, MODES, PAIRS, Plan
 from jaxbundle.presets import DEMO_MODELS, PRESETS, certify_for
 from jaxbundle.suites import ATTACKS
 
@@ -32,8 +32,8 @@ __all__ = ["build_plan", "main"]
 def build_plan(args: argparse.Namespace, norm: str, eps: float) -> Plan:
     """The plan the flags ask for: ``--bundle``'s (or ``--attacks``' in full mode) with every
     flag given applied to it, checked. ``--schedule full`` on a cascade bundle drops the
-    bundle's own cascade settings (:func:`jaxbundle.bundles.plan`); ``--focus``, ``--probe`` and
-    ``--escalate`` add to the bundle's."""
+    bundle's own cascade settings (:func:`jaxbundle.bundles.plan`); ``--focus``, ``--floor``,
+    ``--probe`` and ``--escalate`` add to the bundle's."""
     fields = {k: v for k, v in (
         ("steps", args.steps), ("restarts", args.restarts), ("step_size", args.step_size),
         ("queries", args.queries), ("threshold", args.threshold), ("budget", args.budget),
@@ -47,8 +47,8 @@ def build_plan(args: argparse.Namespace, norm: str, eps: float) -> Plan:
     mode = {} if args.schedule is None else {"mode": args.schedule}
     base = (Plan.of(eps, tuple(args.attacks), norm=norm, **mode) if args.attacks
             else bundles.plan(args.bundle, norm, eps, **mode))
-    own = base.schedule.describe()  # the bundle's focus, probe and escalate, if any
-    for field in ("focus", "probe", "escalate"):
+    own = base.schedule.describe()  # the bundle's focus, floor, probe and escalate, if any
+    for field in PAIRS:
         if getattr(args, field):
             fields[field] = tuple({**own[field], **dict(getattr(args, field))}.items())
     return base.replace(**fields).check()
@@ -225,6 +225,11 @@ def _schedule_flags(threat: argparse._ArgumentGroup) -> None:
         "--focus", type=_focus, action="append", default=[], metavar="ATTACK=FRACTION",
         help="cascade: run ATTACK only on that fraction of the survivors, the most promising "
         "(closest to the goal) first; repeatable; default: the bundle's own",
+    )
+    threat.add_argument(
+        "--floor", type=_focus, action="append", default=[], metavar="ATTACK=SHARE",
+        help="cascade: ATTACK's focus keeps every survivor while they are at most SHARE of the "
+        "batch, and never fewer; repeatable; default: the bundle's own",
     )
     threat.add_argument(
         "--probe", type=_probe, action="append", default=[], metavar="ATTACK=FRACTION",

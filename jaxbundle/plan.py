@@ -9,7 +9,7 @@ nested records, each field only where it means something.
 * the ``schedule``, which is also the runner (:mod:`jaxbundle.run.runners`): :class:`Full`
   (every attack on every example) or :class:`Cascade` (each attack on the examples whose
   ``goal`` the ones before left unsatisfied, with its ``threshold``, ``budget``, ``focus``,
-  ``probe``, ``escalate``, ``segments`` and ``buckets``: :mod:`jaxbundle.run.cascade`);
+  ``floor``, ``probe``, ``escalate``, ``segments`` and ``buckets``: :mod:`jaxbundle.run.cascade`);
 * :class:`Run`: ``batch_size``, ``seed``, ``unroll``, ``restart_mode`` (``"vmap"``; ``"map"``:
   one restart at a time, less memory; ``"cascade"``, under a :class:`Cascade` only: one restart
   at a time, each on the examples the ones before left, as AutoAttack runs APGD-T's and FAB-T's
@@ -41,10 +41,10 @@ from jaxbundle.core import goals as goals_lib
 from jaxbundle.core import judge, norms, validation
 from jaxbundle.core.bundler import Rules
 from jaxbundle.core.validation import as_plain, is_int, is_number
-from jaxbundle.run.runners import Cascade, Full
+from jaxbundle.run.runners import PAIRS, Cascade, Full
 
 __all__ = ["AttackSpec", "CERTIFY_METHODS", "Cascade", "Certify", "DEFAULT_GOALS", "Full",
-           "MODES", "Plan", "Run", "Sampling", "Suite", "Threat"]
+           "MODES", "PAIRS", "Plan", "Run", "Sampling", "Suite", "Threat"]
 
 DEFAULT_GOALS = ("misclassify", "max_confidence", "min_norm")
 SCHEDULES = {s.mode: s for s in (Full, Cascade)}
@@ -227,8 +227,7 @@ _SECTIONS = {
     "certify": {"certify": "method", "certify_time_limit": "time_limit"},
 }
 # A Full plan refuses these when set (in this order: the error names the first).
-_CASCADE_FIELDS = ("focus", "probe", "escalate", "segments", "buckets", "budget", "threshold",
-                   "goal")
+_CASCADE_FIELDS = (*PAIRS, "segments", "buckets", "budget", "threshold", "goal")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,6 +47,7 @@ def test_attacks_lists_every_attack(capsys):
         (["evaluate", "--focus", "square-aa"], "ATTACK=FRACTION"),
         (["evaluate", "--focus", "square-aa=1.5"], "ATTACK=FRACTION"),
         (["evaluate", "--escalate", "square-aa=0"], "ATTACK=FRACTION"),
+        (["evaluate", "--floor", "apgd-t5"], "ATTACK=FRACTION"),
         (["evaluate", "--queries", "0"], "positive integer"),
     ],
 )
@@ -73,6 +74,7 @@ def test_bad_flags_exit_2_with_a_message(argv, message, capsys):
         (["evaluate", "--bundle", "broad", "--segments", "3"], "needs mode='cascade'"),
         (["evaluate", "--escalate", "apgd-ce=0.5"], "'apgd-ce' is the first stage"),
         (["evaluate", "--bundle", "broad", "--escalate", "fmn=0.5"], "needs mode='cascade'"),
+        (["evaluate", "--floor", "apgd-ce=0.5"], "give 'apgd-ce' a focus fraction too"),
         (["evaluate", "--bundle", "broad", "--budget", "100"], "needs mode='cascade'"),
         (["evaluate", "--attacks", "fgsm,fgsm"], "attack names must be unique"),
         (["evaluate", "--queries", "1"], "square-aa needs queries to be an integer >= 2"),
@@ -208,6 +210,7 @@ def test_default_bundle_runs_as_a_focused_cascade(tmp_path, capsys):
     plan = report["config"]["plan"]
     assert plan["bundle"] == "default" and plan["schedule"]["mode"] == "cascade"
     assert plan["schedule"]["focus"] == focus
+    assert plan["schedule"]["floor"] == {"apgd-ce-long": 0.125, "apgd-t5": 0.125}
     m = report["models"]["adversarial"]
     stages = m["schedule"]["stages"]
     assert [s["attack"] for s in stages] == ["apgd-ce", "apgd-ce-long", "apgd-t5", "square-aa"]
@@ -233,6 +236,7 @@ def test_default_bundle_runs_as_a_focused_cascade(tmp_path, capsys):
                     continue
                 focused += n > 1
                 assert r == n or r in (1, 2, 4, 8, 16), (k, n, r)
+                assert r >= min(n, 2), (k, n, r)  # the floor: 1/8 of the batch of 16
                 assert 2 ** -0.5 <= r / max(fraction * n, 1) <= 2, (k, n, r)
         assert focused >= 2
         # Square: its probe (5 % of its 299 steps: 15, plus the first query) on every

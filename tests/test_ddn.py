@@ -3,11 +3,14 @@ the linear model's analytic minimum."""
 
 from __future__ import annotations
 
+import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxbundle import losses, norms, suites
+import emulation
+from jaxbundle import AttackSpec, Plan, evaluate, losses, norms, suites
 from jaxbundle.attacks import ddn
 from jaxbundle.attacks.base import Candidate, WhiteBoxModel
 from jaxbundle.attacks.white_box.ddn import ALPHA_MIN, step_size
@@ -109,3 +112,42 @@ def test_near_the_analytic_minimum_of_a_two_class_linear_model():
     assert np.all(np.asarray(score.misclassified)[keep])
     ratio = np.asarray(score.distortion)[keep] / dist[keep]
     assert ratio.min() >= 1.0 - 1e-4 and ratio.max() <= 1.01 and np.median(ratio) <= 1.002
+
+
+class _ColourCNN(nn.Module):
+    """An ordinary flax network on colour 32x32 images (``nn.Conv``, not the demo's conv)."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(8, (3, 3), strides=2)(x))
+        x = nn.relu(nn.Conv(16, (3, 3), strides=2)(x))
+        return nn.Dense(10)(x.reshape(x.shape[0], -1))
+
+
+@pytest.mark.parametrize("fmt", ["tf32", "bfloat16"])
+def test_on_colour_off_grid_images_under_accelerator_arithmetic_every_report_is_float32_true(
+        fmt):
+    """Off-grid colour 32x32 images (continuous values, as after resizing), a flax ``nn.Conv``
+    network and a GPU's TF32 or a TPU's bfloat16 default arithmetic (emulated): each distortion
+    DDN reports through ``evaluate`` is its image's float32 L2 distance, in the box, and that
+    image is misclassified by the model in float32 (the same arithmetic on CPU would hide a
+    search that trusted reduced-precision logits)."""
+    net = _ColourCNN()
+    x = jax.random.uniform(jax.random.key(3), (12, 32, 32, 3))
+    params = net.init(jax.random.key(4), x)
+    y = np.asarray(jnp.argmax(net.apply(params, x), -1))  # every example clean-correct
+    plan = Plan.of(eps=0.5, attacks=(AttackSpec("ddn", steps=40),), norm="l2",
+                   goals=("misclassify", "min_norm"), judging="float")
+    with emulation.default_precision(fmt):
+        pe = evaluate(net.apply, params, (np.asarray(x), y), plan, mesh=None,
+                      keep_images=True).per_example
+    fooled = pe["success"].astype(bool)
+    assert 4 <= fooled.sum() < fooled.size
+    adv = np.asarray(pe["x_adv"], np.float32)[fooled]
+    assert adv.min() >= 0 and adv.max() <= 1
+    true = np.linalg.norm((adv - np.asarray(x)[fooled]).reshape(fooled.sum(), -1), axis=1)
+    np.testing.assert_allclose(pe["distortion"][fooled], true, rtol=1e-5)
+    assert np.all(true <= 0.5) and np.all(pe["min_distortion"][fooled] <= true * (1 + 1e-6))
+    with jax.default_matmul_precision("highest"):
+        predicted = np.asarray(jnp.argmax(net.apply(params, jnp.asarray(adv)), -1))
+    assert np.all(predicted != y[fooled])

@@ -12,7 +12,8 @@ import pytest
 from jaxbundle import attacks as attacks_lib
 from jaxbundle import Full, Plan
 from jaxbundle.bundler import goals_for
-from test_schedule import _cascade, _problem
+from cascade_toys import problem as _problem
+from cascade_toys import run_cascade as _cascade
 
 
 @pytest.mark.parametrize("share, runs", [(0.39, True), (0.4, False)])

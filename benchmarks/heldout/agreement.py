@@ -79,13 +79,25 @@ def load(paths: list[str], aa_caches: list[str]) -> dict[str, tuple[dict, dict]]
     return settings
 
 
+def cached_path(cache: str | None, key: str, weights: str | None = None) -> str | None:
+    """The file of setting ``key``'s torchattacks AutoAttack run in ``cache``: run.py names a
+    run by the weights' fingerprint (``{key}_w{weights}.json``; without ``weights``, the last
+    such name), older runs by the setting alone (``{key}.json``); None where it holds neither."""
+    if not cache:
+        return None
+    pattern = f"{key}_w{weights}.json" if weights else f"{key}_w" + "[0-9a-f]" * 16 + ".json"
+    found = sorted(glob.glob(os.path.join(glob.escape(cache), pattern)))
+    for path in (found[-1:] + [os.path.join(cache, f"{key}.json")]):
+        if os.path.exists(path):
+            return path
+    return None
+
+
 def _torchattacks_runs(key: str, aa_caches: list[str]) -> dict[str, np.ndarray]:
     runs = {}
     for i, cache in enumerate(aa_caches):
-        # run.py names its runs by the weights' fingerprint; older ones by the setting alone
-        paths = sorted(glob.glob(os.path.join(cache, f"{key}_w" + "[0-9a-f]" * 16 + ".json")))
-        path = paths[-1] if paths else os.path.join(cache, f"{key}.json")
-        if os.path.exists(path):
+        path = cached_path(cache, key)
+        if path:
             with open(path) as f:
                 runs["torchattacks" + (f" {i + 1}" if i else "")] = np.array(
                     json.load(f)["robust"], bool)

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import glob
 import os
 import sys
 from typing import NamedTuple
@@ -45,7 +44,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from agreement import setting_key  # noqa: E402
+from agreement import cached_path, setting_key  # noqa: E402
 
 COMPONENTS = ("apgd-ce", "apgd-t", "fab-t", "square")  # run.py's AA_ATTACKS
 
@@ -182,11 +181,9 @@ def load(paths: list[str], aa_cache: str, judging: str = "float",
                             row["candidate"], []).append(row)
     settings, incomplete = [], []
     for key, by in sorted(rows.items()):
-        # run.py names its caches by the weights' fingerprint; older ones by the setting alone
-        found = sorted(glob.glob(os.path.join(aa_cache, f"{key}_w" + "[0-9a-f]" * 16 + ".json")))
-        cache = found[-1] if found else os.path.join(aa_cache, f"{key}.json")
+        cache = cached_path(aa_cache, key)
         references = []
-        if os.path.exists(cache):
+        if cache:
             with open(cache) as f:
                 aa = json.load(f)
             references.append(Run(np.asarray(aa["robust"], bool),

@@ -44,6 +44,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 
+from agreement import cached_path  # noqa: E402
 from autoattack_compare import Counted, autoattack_parts, counting, torch_network  # noqa: E402
 
 import jaxbundle  # noqa: E402
@@ -178,22 +179,13 @@ def weights_digest(params) -> str:
     return digest.hexdigest()[:16]
 
 
-def _cached(cache: str | None, key: str, weights: str) -> str | None:
-    """The cache file of setting ``key``'s AutoAttack run on ``weights``, fingerprinted first,
-    then the older unfingerprinted name; None where ``cache`` holds neither."""
-    for path in (f"{key}_w{weights}.json", f"{key}.json"):
-        if cache and os.path.exists(os.path.join(cache, path)):
-            return os.path.join(cache, path)
-    return None
-
-
 def cached_autoattack(cache: str | None, key: str, compute: Callable[[], dict],
                       weights: str, clean_wrong: np.ndarray) -> dict:
     """AutoAttack's run of setting ``key`` on the weights ``weights`` (:func:`weights_digest`):
     from ``cache/{key}_w{weights}.json``, or from the older ``cache/{key}.json`` (written
     without a fingerprint) when its clean mistakes are the model's ``clean_wrong`` (a run on
     other weights is refused in one line), or computed and written under the first name."""
-    found = _cached(cache, key, weights)
+    found = cached_path(cache, key, weights)
     if found:
         with open(found) as f:
             entry = json.load(f)
@@ -349,7 +341,7 @@ def run(args, candidates: list[tuple[str, dict]], log: Callable[[str], None]) ->
                     log(f"{label}: done already")
                     continue
                 key = f"{args.set}_{setting.model}_{norm}_{eps:.6f}_n{args.n}"
-                if getattr(args, "cached_only", False) and not _cached(args.aa_cache, key,
+                if getattr(args, "cached_only", False) and not cached_path(args.aa_cache, key,
                                                                        weights):
                     log(f"{label}: no AutoAttack run in --aa-cache: skipped (--cached-only)")
                     continue

@@ -16,6 +16,8 @@ set of ``PROTOCOL.md`` (goal misclassify, n = 256, seed 0, no warm rounds), its 
   ``ceall`` / ``tall``: only ``apgd-ce-long`` / only ``apgd-t5`` on every survivor (tried on
   the tuning ResNet, ``resnet-tune``, for a fourth design); ``apgdt9`` / ``apgdt100``: the
   APGD-T stage with 9 targets x 40 steps / 5 targets x 100 instead of 5 x 40;
+* ``floorS``: the white-box stages' focus keeps every survivor while they are at most ``S`` of
+  the batch, never fewer than ``S`` of it (the plan's ``floor``);
 * ``wbcap``: ``cap`` for the white-box (APGD) stages only: while a stage's survivors are no
   more than its focus fraction of the batch, all of them run it (:func:`white_box_capped`);
 * ``esc``: AutoAttack's FAB-T (9 x 100, the reference's order) after ``fab-t3``, run only
@@ -30,6 +32,7 @@ set of ``PROTOCOL.md`` (goal misclassify, n = 256, seed 0, no warm rounds), its 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -86,7 +89,8 @@ def variant(name: str) -> str:
             fab = FABS[part][0]
     attacks = tuple((AttackSpec(fab, steps=100) if fab and s.name == "fab-t3" else s, only)
                     for s, only in b.attacks)
-    focus, probe = dict(b.focus), dict(b.probe)
+    focus, probe = dict(b.schedule.focus), dict(b.schedule.probe)
+    floor = dict(b.schedule.floor)
     for part, spec in (("apgdt9", AttackSpec("apgd-t", steps=40)),
                        ("apgdt100", AttackSpec("apgd-t5", steps=100))):
         if part in parts:  # the APGD-T stage: 9 targets x 40 steps, or 5 targets x 100
@@ -101,7 +105,11 @@ def variant(name: str) -> str:
         if part in parts:
             for stage in stages:
                 focus.pop(stage)
-    escalate = dict(b.escalate)
+    for part in parts:  # floorS: the white-box stages' focus never under S of the batch
+        if part.startswith("floor"):
+            floor = {stage: float(part[len("floor"):]) for stage in ("apgd-ce-long", "apgd-t5")
+                     if stage in focus}
+    escalate = dict(b.schedule.escalate)
     names = [s.name for s, _ in attacks]
     if "esc" in parts and "fab-t" not in names:  # AutoAttack's FAB-T after fab-t3, run when
         at = names.index("fab-t3") + 1  # fab-t3 fooled 5 % or more (the third design has it)
@@ -112,8 +120,10 @@ def variant(name: str) -> str:
     if "wbcap" in parts:
         schedule._stage_rows = white_box_capped
     bundles.BUNDLES[f"variant-{name}"] = b._replace(
-        attacks=attacks, focus=tuple(focus.items()), probe=tuple(probe.items()),
-        escalate=tuple(escalate.items()))
+        attacks=attacks, schedule=dataclasses.replace(
+            b.schedule, focus=tuple(focus.items()), probe=tuple(probe.items()),
+            floor=tuple((k, v) for k, v in floor.items() if k in focus),
+            escalate=tuple(escalate.items())))
     return f"variant-{name}"
 
 

@@ -65,13 +65,12 @@ MODEL_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("goals", "the goals tracked", ""),
     ("plan", "the plan as run (jaxbundle.Plan.describe(): threat model, attacks, overrides, "
      "schedule, run options, stochastic options)", ""),
-    ("schedule", "{mode, goal, threshold, budget, focus, probe, escalate, segments, buckets, "
-     "stages, skipped, statement}: stages (cascade) list per attack the survivors it could run "
-     "on, the examples it ran on, the survivors focus, budget and escalate skipped, those a "
-     "probe cut short, "
-     "rows computed, gradients, queries and the robust accuracy after it; skipped: the "
-     "skipped and cut, summed; statement: when any were, that the robust accuracy is an upper "
-     "bound a full run could lower", ""),
+    ("schedule", "{mode, goal, threshold, budget, focus, floor, probe, escalate, segments, "
+     "buckets, stages, skipped, statement}: stages (cascade) list per attack the survivors it "
+     "could run on, the examples it ran on, the survivors focus, budget and escalate skipped, "
+     "those a probe cut short, rows computed, gradients, queries and the robust accuracy "
+     "after it; skipped: the skipped and cut, summed; statement: when any were, that the "
+     "robust accuracy is an upper bound a full run could lower", ""),
     ("judging", "{mode, grid_examples, float_examples, grid_radius, statement}: how successes "
      "were judged", ""),
     ("data", "{name, n}", ""),

@@ -32,7 +32,10 @@ under the best candidates so far (misclassify: the largest margin ``max_{j != y}
 max confidence: the highest wrong-class confidence). An expensive last stage, such as a black-box
 attack with thousands of queries, is then spent where it can still succeed; the others are
 discarded, so focus trades the exactness above for compute, and which survivors are kept
-depends on the batch they are ranked in.
+depends on the batch they are ranked in. With ``floor`` (attack name -> a share of the batch),
+that attack's focus keeps every survivor while they are at most that share of the batch, and
+never fewer than that share (rounded up to a halving of the batch): where few survive, a handful
+of examples is all there is to attack, and halving it saves little.
 
 With ``probe`` (attack name -> a fraction of its steps), a focused stage is not chosen by the
 stages before it: every survivor runs the probe's steps, then the focus share goes on (plus
@@ -74,6 +77,7 @@ One host sync per stage (the survivors' count), and one per segment; none per st
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, NamedTuple, Protocol
 
 import jax
@@ -107,6 +111,7 @@ class Settings(Protocol):
     segments: int
     buckets: int
     focus_map: dict[str, float]
+    floor_map: dict[str, float]
     probe_map: dict[str, float]
     escalate_map: dict[str, float]
 
@@ -294,12 +299,13 @@ def _padded(order: np.ndarray, size: int) -> np.ndarray:
 
 
 def _run_stage(b: _Batch, attack: Attack, k: int, order: np.ndarray, best, row: "_AttackRows",
-               probe: tuple[int, float, np.ndarray] | None = None, first: int = 0) -> _Outcome:
+               probe: tuple[int, float, float, np.ndarray] | None = None,
+               first: int = 0) -> _Outcome:
     """Attack ``k`` (its restarts numbered from ``first``) on the rows ``order`` in up to
     :func:`_segments` runs of its steps, from the batch's bests and the attack's ``row`` so far.
     After each, the rows whose goal is satisfied stop; the others are compacted into a bucket
     at most half the size of the current one once they fit (fewer shapes to compile), else
-    they go on in place. With ``probe = (steps, fraction, closeness)``, the first run is
+    they go on in place. With ``probe = (steps, fraction, floor, closeness)``, the first run is
     ``steps`` long and only some rows go on after it (:func:`_after_probe`)."""
     driver = bundler.Driver(attack, k, b.rules)
     segments = _segments(b.schedule, attack, probe)
@@ -365,10 +371,10 @@ def _after_probe(ladders: tuple[tuple[int, ...], tuple[int, ...]], live: np.ndar
     :func:`_focus_size` rounds, at most all); half of them the most promising under the
     earlier stages (``closeness``), the rest those with the most ``progress`` of the stage's
     own. ``live``: the bucket's rows not yet satisfied; ``ladders``: ``(sizes, halves)``."""
-    _, fraction, closeness = probe
+    _, fraction, floor, closeness = probe
     fooled = survivors - int(live.sum())
     share = min(1.0, fraction + PROBE_GAIN * fooled / survivors)
-    keep = min(_focus_size(ladders, share, survivors), int(live.sum()))
+    keep = min(_focus_size(ladders, share, survivors, floor), int(live.sum()))
     candidates = np.flatnonzero(live)
     first = candidates[np.argsort(-closeness[rows[candidates]], kind="stable")[:(keep + 1) // 2]]
     others = np.setdiff1d(candidates, first)
@@ -416,13 +422,18 @@ def probe_steps(attack: Attack, fraction: float) -> int:
 
 
 def _focus_size(ladders: tuple[tuple[int, ...], tuple[int, ...]], fraction: float,
-                survivors: int) -> int:
+                survivors: int, floor: float = 0.0) -> int:
     """How many survivors a focus fraction keeps: of ``ladders = (sizes, halves)``, the bucket
     size nearest to ``fraction * survivors`` (in ratio), rounded up to a halving of the batch
     (at most all survivors). No padding rows, never fewer than the nearest bucket, and a focused
-    stage meets the same few shapes at every eps of a sweep, whose survivors differ."""
+    stage meets the same few shapes at every eps of a sweep, whose survivors differ. With a
+    ``floor`` (a share of the batch), never fewer than the halving of the batch that holds that
+    share: every survivor while they are at most that share."""
     sizes, halves = ladders
-    return min(_bucket(halves, _nearest_bucket(sizes, fraction * survivors)), survivors)
+    keep = _bucket(halves, _nearest_bucket(sizes, fraction * survivors))
+    if floor:
+        keep = max(keep, _bucket(halves, math.ceil(floor * sizes[0])))
+    return min(keep, survivors)
 
 
 def _stage_rows(b: _Batch, attack: Attack, order: np.ndarray, closeness: np.ndarray,
@@ -431,7 +442,8 @@ def _stage_rows(b: _Batch, attack: Attack, order: np.ndarray, closeness: np.ndar
     most promising, as many as :func:`_focus_size`; with a budget left, those the budget pays
     for, the least run first."""
     if fraction is not None and order.size:
-        keep = _focus_size((b.sizes, b.halves), fraction, order.size)
+        keep = _focus_size((b.sizes, b.halves), fraction, order.size,
+                           b.schedule.floor_map.get(attack.name, 0.0))
         order = np.sort(order[np.argsort(-closeness[order], kind="stable")][:keep])
     cost = attack.gradients + attack.queries
     if left is not None and cost:
@@ -459,7 +471,8 @@ def _stage(b: _Batch, k: int, whole: Attack, chosen: np.ndarray, survivors: int,
             order = chosen[~done[chosen]]
         if order.size == 0:
             break
-        probe = ((probe_steps(attack, probes[attack.name]), focus[attack.name], closeness)
+        probe = ((probe_steps(attack, probes[attack.name]), focus[attack.name],
+                  schedule.floor_map.get(attack.name, 0.0), closeness)
                  if attack.name in probes else None)
         out = _run_stage(b, attack, k, order, best, rows.of(k), probe=probe, first=first)
         best, rows = out.best, rows.set(k, out, keep_success=first > 0)

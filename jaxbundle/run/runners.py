@@ -33,9 +33,10 @@ from jaxbundle.run import cascade as cascade_lib
 from jaxbundle.run import checks as checks_lib
 from jaxbundle.run.records import Batch, Model
 
-__all__ = ["MAX_BUCKETS", "Batch", "Cascade", "Full", "Model", "Schedule"]
+__all__ = ["MAX_BUCKETS", "PAIRS", "Batch", "Cascade", "Full", "Model", "Schedule"]
 
 MAX_BUCKETS = 64  # bucket sizes per halving of the batch, at most
+PAIRS = ("focus", "floor", "probe", "escalate")  # a cascade's settings given per attack
 
 
 class Schedule(Protocol):
@@ -71,13 +72,15 @@ class Cascade:
     """Each attack on the examples whose ``goal`` the ones before left unsatisfied
     (:func:`jaxbundle.run.cascade.cascade`, whose docstring says what each setting does):
     ``threshold`` (the max_confidence goal's t), ``budget`` (model passes per example),
-    ``focus``, ``probe``, ``escalate`` (attack name -> fraction or share), ``segments`` and
-    ``buckets`` (compacted batch sizes per halving of the batch: more, less padding)."""
+    ``focus``, ``floor``, ``probe``, ``escalate`` (attack name -> fraction or share),
+    ``segments`` and ``buckets`` (compacted batch sizes per halving of the batch: more, less
+    padding)."""
 
     goal: str = "misclassify"
     threshold: float | None = None
     budget: float | None = None
     focus: tuple[tuple[str, float], ...] = ()
+    floor: tuple[tuple[str, float], ...] = ()
     probe: tuple[tuple[str, float], ...] = ()
     escalate: tuple[tuple[str, float], ...] = ()
     segments: int = 1
@@ -86,13 +89,19 @@ class Cascade:
 
     def __post_init__(self):
         as_plain(self, floats=("threshold", "budget"), ints=("segments", "buckets"))
-        for field in ("focus", "probe", "escalate"):
+        for field in PAIRS:
             object.__setattr__(self, field, _pairs(getattr(self, field)))
 
     @property
     def focus_map(self) -> dict[str, float]:
         """``focus`` as a dict (attack name -> fraction)."""
         return dict(self.focus)
+
+    @property
+    def floor_map(self) -> dict[str, float]:
+        """``floor`` as a dict (attack name -> the share of the batch under which its focus
+        keeps every survivor: :func:`jaxbundle.run.cascade.focus_size`)."""
+        return dict(self.floor)
 
     @property
     def probe_map(self) -> dict[str, float]:
@@ -108,7 +117,8 @@ class Cascade:
 
     def describe(self) -> dict:
         return {"mode": self.mode, "goal": self.goal, "threshold": self.threshold,
-                "budget": self.budget, "focus": self.focus_map, "probe": self.probe_map,
+                "budget": self.budget, "focus": self.focus_map, "floor": self.floor_map,
+                "probe": self.probe_map,
                 "escalate": self.escalate_map, "segments": self.segments,
                 "buckets": self.buckets}
 
@@ -149,6 +159,14 @@ class Cascade:
                 raise ValueError(f"focus of {name!r} must be a fraction in (0, 1], got "
                                  f"{fraction!r}")
         _once("focus", self.focus)
+        for name, share in self.floor:
+            if name not in self.focus_map:
+                raise ValueError(f"floor of {name!r} bounds its focus from below: give {name!r} "
+                                 "a focus fraction too")
+            if not is_number(share) or not 0 < share <= 1:
+                raise ValueError(f"floor of {name!r} must be a share of the batch in (0, 1], got "
+                                 f"{share!r}")
+        _once("floor", self.floor)
         if self.focus and goals_lib.GOALS[self.goal].satisfied is None:
             can = [g.name for g in goals_lib.GOALS.values() if g.satisfied is not None]
             raise ValueError(f"focus needs a goal that can be satisfied ({' or '.join(can)}), "
