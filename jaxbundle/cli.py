@@ -229,7 +229,7 @@ def _schedule_flags(threat: argparse._ArgumentGroup) -> None:
     threat.add_argument(
         "--floor", type=_focus, action="append", default=[], metavar="ATTACK=SHARE",
         help="cascade: ATTACK's focus keeps every survivor while they are at most SHARE of the "
-        "batch, and never fewer; repeatable; default: the bundle's own",
+        "batch, and never fewer than that share; repeatable; default: the bundle's own",
     )
     threat.add_argument(
         "--probe", type=_probe, action="append", default=[], metavar="ATTACK=FRACTION",

@@ -6,8 +6,8 @@ A schedule attacks one batch (``run``: its counts, per-example outputs and what 
 spent) and then says what it adds to the figures (``figures``). :class:`Full` runs every attack
 on every example in one jitted program (the many-attack table); :class:`Cascade` runs
 :func:`jaxbundle.run.cascade.cascade` (each attack on the survivors of the ones before, with
-its goal, focus, floor, probe, escalate, segments and budget) and summarises its result in a second
-program. The evaluation driver (:mod:`jaxbundle.evaluation`) calls the plan's
+its goal, focus, floor, probe, escalate, segments and budget) and summarises its result in a
+second program. The evaluation driver (:mod:`jaxbundle.evaluation`) calls the plan's
 ``schedule``; nothing dispatches on a name.
 """
 
