@@ -87,9 +87,11 @@ def _bundle_rows() -> dict[str, list[str]]:
             for row in _table(README, "| bundle | attacks | budget / example |")}
 
 
-def _documented_default_focus() -> dict[str, float]:
+def _documented_default(flag: str) -> dict[str, float]:
+    """The default bundle's ``--focus`` or ``--floor`` pairs as README's bundles table gives
+    them."""
     row = _bundle_rows()["default"]
-    return {a: float(f) for a, f in re.findall(r"--focus ([\w-]+)=([\d.]+)", row[1])}
+    return {a: float(f) for a, f in re.findall(rf"--{flag} ([\w-]+)=([\d.]+)", row[1])}
 
 
 def _check_dry_run(argv: list[str], out: dict, joined: list[dict]) -> None:
@@ -130,7 +132,8 @@ def _check_dry_run(argv: list[str], out: dict, joined: list[dict]) -> None:
         assert schedule["goal"] == "max_confidence"
     if args.bundle == "default" and not args.attacks and args.schedule in (None, "cascade"):
         assert schedule["mode"] == "cascade"
-        assert schedule["focus"] == {**_documented_default_focus(), **dict(args.focus)}
+        assert schedule["focus"] == {**_documented_default("focus"), **dict(args.focus)}
+        assert schedule["floor"] == _documented_default("floor") != {}
     if args.data.startswith("mnist-sample"):  # 2,000 test images; the first 1000 by default
         assert out["data"]["n"] == (1000 if args.n is None else args.n)
     demo = args.models if args.models is not None else ([] if args.model else
@@ -259,7 +262,9 @@ def test_the_readme_bundles_table_is_the_library():
             assert sum(a.queries for a in built) == queries[i], (name, norm)
             assert at_most == (plan.schedule.mode == "cascade"), name
     default = jaxbundle.bundles.default("linf", 0.3)
-    assert dict(default.schedule.focus) == _documented_default_focus() == DEFAULT_FOCUS
+    assert dict(default.schedule.focus) == _documented_default("focus") == DEFAULT_FOCUS
+    assert dict(default.schedule.floor) == _documented_default("floor")
+    assert dict(default.schedule.probe) == _documented_default("probe")
     assert f"--segments {default.schedule.segments}" in rows["default"][1]
 
 

@@ -336,9 +336,9 @@ def test_a_five_eps_sweep_compiles_each_new_bucket_size_only(compiles_counted):
     """A sweep over 5 radii whose survivors differ (98 % robust down to 8 %): the first call
     compiles the default bundle's programs; a later radius compiles only the (attack, bucket
     size) pairs its survivors meet for the first time (a stage's start, steps, judging and
-    merge programs), never the whole bundle again. Measured: 67, 11, 13, 27, 31 programs (149
-    in all; ``buckets=1`` 133); the bound is that, a regression's alarm, not a target (the
-    compile targets of issue 50: benchmarks/README.md, compile_default.py)."""
+    merge programs), never the whole bundle again. Measured in a fresh process: 67, 11, 13, 27,
+    31 programs (149 in all; ``buckets=1`` 133); the bounds are that, a regression's alarm, not
+    a target (the compile targets of issue 50: benchmarks/README.md, compile_default.py)."""
     params, x, y = linear_problem(n=48, k=10, seed=9)
     x = np.asarray(images(x))
     radii = np.quantile(min_distance(params, x, y, "linf"), [0.05, 0.25, 0.5, 0.75, 0.95])
@@ -363,7 +363,8 @@ def test_a_five_eps_sweep_compiles_each_new_bucket_size_only(compiles_counted):
         jax.monitoring.unregister_event_duration_listener(listener)
     assert robust == sorted(robust, reverse=True) and robust[0] > 50 > robust[-1], robust
     first, later = counts[0], counts[1:]
-    assert 0 < first <= 70 and all(n < first / 2 for n in later) and sum(counts) <= 160, counts
+    # Upper bounds only: programs another test of the process compiled are not counted again.
+    assert 0 < first <= 70 and all(n <= 35 for n in later) and sum(counts) <= 160, counts
 
 
 def test_a_cascade_of_restarts_fools_what_the_restarts_at_once_fool_for_less():
