@@ -298,6 +298,30 @@ def test_cascade_equals_full_on_a_flax_cnn():
     assert stages[-1]["examples"] < stages[0]["examples"]
 
 
+def _default_sweep(params, x, y, radii) -> list[tuple[int, float]]:
+    """The default bundle (40 queries) on the linear toy at each radius in turn, in this
+    process: per radius, the programs XLA compiled and the robust accuracy."""
+    from jaxbundle import bundles
+
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(duration)
+
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        runs = []
+        for eps in radii:
+            before = len(compiles)
+            ev = evaluate(linear_apply, params, (x, y),
+                          bundles.default("linf", float(eps), queries=40), mesh=None)
+            runs.append((len(compiles) - before, ev.metrics["robust_accuracy"]))
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+    return runs
+
+
 @pytest.mark.slow  # end to end: the default bundle's 65 programs compiled, then three runs
 def test_a_sweep_over_eps_reuses_every_program(compiles_counted):
     """The default bundle's programs do not depend on eps: a second radius that leaves the same
@@ -306,24 +330,7 @@ def test_a_sweep_over_eps_reuses_every_program(compiles_counted):
     params, x, y = linear_problem(n=24, k=10, seed=9)  # APGD-T5 needs 6 classes or more
     x = np.asarray(images(x))
     eps_small = 0.2 * float(np.min(min_distance(params, x, y, "linf")))
-    compiles = []
-
-    def listener(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(duration)
-
-    from jaxbundle import bundles
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        runs = []
-        for eps in (eps_small, eps_small / 2, eps_small):
-            before = len(compiles)
-            ev = evaluate(linear_apply, params, (x, y), bundles.default("linf", eps, queries=40),
-                          mesh=None)
-            runs.append((len(compiles) - before, ev.metrics["robust_accuracy"]))
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
+    runs = _default_sweep(params, x, y, (eps_small, eps_small / 2, eps_small))
     (first, acc), (second, acc2), (third, _) = runs
     ok = 100 * np.mean(np.asarray(linear_apply(params, x)).argmax(1) == y)
     assert acc == acc2 == pytest.approx(ok)  # nothing fooled at either radius
@@ -342,25 +349,7 @@ def test_a_five_eps_sweep_compiles_each_new_bucket_size_only(compiles_counted):
     params, x, y = linear_problem(n=48, k=10, seed=9)
     x = np.asarray(images(x))
     radii = np.quantile(min_distance(params, x, y, "linf"), [0.05, 0.25, 0.5, 0.75, 0.95])
-    compiles = []
-
-    def listener(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(duration)
-
-    from jaxbundle import bundles
-
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    try:
-        counts, robust = [], []
-        for eps in radii:
-            before = len(compiles)
-            ev = evaluate(linear_apply, params, (x, y),
-                          bundles.default("linf", float(eps), queries=40), mesh=None)
-            counts.append(len(compiles) - before)
-            robust.append(ev.metrics["robust_accuracy"])
-    finally:
-        jax.monitoring.unregister_event_duration_listener(listener)
+    counts, robust = (list(column) for column in zip(*_default_sweep(params, x, y, radii)))
     assert robust == sorted(robust, reverse=True) and robust[0] > 50 > robust[-1], robust
     first, later = counts[0], counts[1:]
     # Upper bounds only: programs another test of the process compiled are not counted again.

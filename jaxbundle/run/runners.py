@@ -100,7 +100,7 @@ class Cascade:
     @property
     def floor_map(self) -> dict[str, float]:
         """``floor`` as a dict (attack name -> the share of the batch under which its focus
-        keeps every survivor: :func:`jaxbundle.run.cascade.focus_size`)."""
+        keeps every survivor: ``jaxbundle.run.cascade._focus_size``)."""
         return dict(self.floor)
 
     @property
