@@ -115,6 +115,9 @@ ATTACKS: dict[str, NamedAttack] = {r.name: r for r in (
     _record("apgd-dlr", "apgd", attacks_lib.apgd, _RESTARTS, loss="dlr"),
     *(_record(name, "apgd", attacks_lib.apgd, _STEPS, loss="dlr-targeted", targets=targets)
       for name, targets in (("apgd-t", 9), ("apgd-t3", 3), ("apgd-t5", 5))),
+    # APGD-T's 5 targets in MALT's order (nearest linearised boundary of the 9 highest logits).
+    _record("apgd-t5-malt", "apgd", attacks_lib.apgd, _STEPS, loss="dlr-targeted", targets=5,
+            targeting="malt"),
     # BP as this library runs it (not the authors' loss and steps): a variant, named so.
     _record("bp-variant", "bp", attacks_lib.bp, _STEPS, ("l2",)),
     _record("fmn", "fmn", attacks_lib.fmn, _STEPS, ("linf", "l2", "l1")),

@@ -69,6 +69,29 @@ def test_the_pooled_verdict():
         gates.figures(_second()._replace(autoattack=_second().autoattack[:1]))
 
 
+def test_masking_applied_to_autoattack_itself():
+    """Gate 3 like for like: run 0 misses example 0, which the other two runs fooled only with
+    Square, so AutoAttack itself fails the literal rule; the default's seed 0 misses example 1
+    (Square-only in every other pair of runs): 1 of 3 consensus sets, one seed of two."""
+    aa = (gates.Run(_robust("100"), "-33"), gates.Run(_robust("000"), "333"),
+          gates.Run(_robust("000"), "333"))
+    default = (gates.Run(_robust("010"), "3-3"), gates.Run(_robust("000"), "333"))
+    setting = gates.Setting("third", "l2", aa, default, black_box_fires=True)
+    f = gates.figures(setting)
+    assert f["masked_runs"] == [1, 0, 0] and f["masked_default"] == 0.5
+    v = gates.verdict([setting])["l2"]
+    assert not v["gates"]["masking"] and v["masked"] == [("third", 1, "square")]
+    assert v["masking_relative"] and v["autoattack_runs_pass_masking"] == [False, True, True]
+    # The first setting: no AutoAttack run misses a Square- or FAB-T-only example, the default
+    # misses one per consensus set: outside AutoAttack's spread.
+    first = gates.verdict([_first()])["linf"]
+    assert first["masked_runs"] == [0, 0, 0] and first["masked_default"] == 1.0
+    assert not first["masking_relative"]
+    # Only the settings where the black-box check fires count.
+    quiet = gates.verdict([setting._replace(black_box_fires=False)])["l2"]
+    assert quiet["masked_runs"] == [0, 0, 0] and quiet["masked_default"] == 0.0
+
+
 def test_cost_limits():
     assert gates.cost_limit("linf", 20.0, False) == 0.12
     assert gates.cost_limit("linf", 4.9, False) == 0.5

@@ -15,7 +15,12 @@ is judged against that spread, per example, pooled over every reported setting o
 * **masking (gate 3).** The default's misses of any ``C(-r)`` that AutoAttack fooled only with
   Square (or only with FAB-T), in every run that says which component fooled it, are listed;
   on a setting where the default's ``black_box_beats_white_box`` check fires, any such miss
-  fails the gate.
+  fails the gate. The same rule is applied to AutoAttack's own runs, like for like: ``masked_r``
+  counts the examples of ``C(-r)`` run ``r`` misses that the other runs fooled only with Square
+  (or only with FAB-T), and ``masked_default`` the default's, averaged over ``r`` and its seeds,
+  both summed over the settings where the check fires. Where every AutoAttack run fails the
+  literal rule, it cannot tell a weaker attack from AutoAttack's own randomness; the verdict
+  then also gives ``masking_relative``: ``masked_default <= max_r masked_r``, as gate 1.
 * **cost.** Model passes per example (forward and backward rows), the default's mean over its
   seeds against the mean of AutoAttack's runs, and warm wall-clock alike (the means of the runs
   that were timed: torchattacks' run has no compilation, the bundle's are timed warm):
@@ -88,6 +93,12 @@ def _components(runs: tuple[Run, ...], example: int) -> set[str]:
             if r.fooled_by is not None and r.fooled_by[example] not in "-?"}
 
 
+def _only_square_or_fab(runs: tuple[Run, ...], n: int) -> np.ndarray:
+    """Per example, whether the runs that recorded a component fooled it only with Square, or
+    only with FAB-T."""
+    return np.array([_components(runs, e) in ({"3"}, {"2"}) for e in range(n)], bool)
+
+
 def figures(s: Setting) -> dict:
     """One setting's counts (see the module docstring)."""
     aa = np.stack([r.robust for r in s.autoattack])
@@ -101,6 +112,8 @@ def figures(s: Setting) -> dict:
     missed = np.zeros(aa.shape[1], bool)
     for c in held_out:
         missed |= c & default.any(0)
+    only = [_only_square_or_fab(s.autoattack[:r] + s.autoattack[r + 1:], aa.shape[1])
+            for r in range(k)]  # fooled only by Square (or only FAB-T) in the other runs
     masked = {}
     for example in np.flatnonzero(missed):
         components = _components(s.autoattack, int(example))
@@ -125,6 +138,9 @@ def figures(s: Setting) -> dict:
                           if str(i) in _components(s.autoattack, int(e))))
             for i, name in enumerate(COMPONENTS)},
         "masked": masked,
+        "masked_runs": [int(np.sum(aa[r] & held_out[r] & only[r])) for r in range(k)],
+        "masked_default": float(np.mean([[np.sum(d & c & o) for d in default]
+                                         for c, o in zip(held_out, only)])),
         "black_box_fires": s.black_box_fires,
         "escalated": s.escalated,
     }
@@ -150,6 +166,10 @@ def verdict(settings: list[Setting]) -> dict:
         masked = [(r["key"], e, c) for r in rows for e, c in r["masked"].items()]
         masking_fails = [(r["key"], e) for r in rows if r["black_box_fires"]
                          for e in r["masked"]]
+        fires = [r for r in rows if r["black_box_fires"]]
+        masked_runs = np.sum([r["masked_runs"] for r in fires], axis=0).tolist() if fires \
+            else [0] * len(m_runs)
+        masked_default = float(sum(r["masked_default"] for r in fires))
         over = [r["key"] for r in rows
                 if any(r[f] is not None and r[f] > r["limit"]
                        for f in ("passes_ratio", "seconds_ratio"))]
@@ -159,9 +179,13 @@ def verdict(settings: list[Setting]) -> dict:
             "masking": not masking_fails,
             "cost": not over,
         }
+        relative = {"masking_relative": masked_default <= max(masked_runs),
+                    "autoattack_runs_pass_masking": [m == 0 for m in masked_runs]}
         out[norm] = {"settings": rows, "m_runs": m_runs, "m_default": m_default,
                      "balance": balance, "most_above_worst": worst, "masked": masked,
-                     "over_cost": over, "gates": gates, "passed": all(gates.values())}
+                     "masked_runs": masked_runs, "masked_default": masked_default,
+                     "over_cost": over, "gates": gates, **relative,
+                     "passed": all(gates.values())}
     return out
 
 
@@ -237,7 +261,10 @@ def markdown(result: dict) -> str:
                   f"{v['m_runs']}): consensus {'passed' if g['consensus'] else 'FAILED'}; "
                   f"balance {v['balance']:+.1f} examples, at most {v['most_above_worst']} above "
                   f"AutoAttack's worst run: {'passed' if g['balance'] else 'FAILED'}; masking "
-                  f"({len(v['masked'])} listed) {'passed' if g['masking'] else 'FAILED'}; cost "
+                  f"({len(v['masked'])} listed) {'passed' if g['masking'] else 'FAILED'} "
+                  f"(like for like where the check fires: the default {v['masked_default']:.2f}"
+                  f", AutoAttack's runs {v['masked_runs']}: "
+                  f"{'within' if v['masking_relative'] else 'OUTSIDE'} their spread); cost "
                   f"{'passed' if g['cost'] else 'FAILED on ' + ', '.join(v['over_cost'])}. "
                   f"Verdict: {'PASSED' if v['passed'] else 'FAILED'}.", ""]
     return "\n".join(lines)

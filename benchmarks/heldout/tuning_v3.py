@@ -18,6 +18,9 @@ set of ``PROTOCOL.md`` (goal misclassify, n = 256, seed 0, no warm rounds), its 
   APGD-T stage with 9 targets x 40 steps / 5 targets x 100 instead of 5 x 40;
 * ``floorS``: the white-box stages' focus keeps every survivor while they are at most ``S`` of
   the batch, never fewer than ``S`` of it (the plan's ``floor``);
+* ``malt``: the APGD-T stage's 5 targets in MALT's order (``apgd-t5-malt``: nearest
+  linearised boundary of the 9 highest logits first; Melamed et al. 2024) instead of the
+  logits';
 * ``wbcap``: ``cap`` for the white-box (APGD) stages only: while a stage's survivors are no
   more than its focus fraction of the batch, all of them run it (:func:`white_box_capped`);
 * ``esc``: AutoAttack's FAB-T (9 x 100, the reference's order) after ``fab-t3``, run only
@@ -92,10 +95,14 @@ def variant(name: str) -> str:
     focus, probe = dict(b.schedule.focus), dict(b.schedule.probe)
     floor = dict(b.schedule.floor)
     for part, spec in (("apgdt9", AttackSpec("apgd-t", steps=40)),
-                       ("apgdt100", AttackSpec("apgd-t5", steps=100))):
-        if part in parts:  # the APGD-T stage: 9 targets x 40 steps, or 5 targets x 100
+                       ("apgdt100", AttackSpec("apgd-t5", steps=100)),
+                       ("malt", AttackSpec("apgd-t5-malt", steps=40))):
+        if part in parts:  # the APGD-T stage: 9 targets x 40 steps, 5 targets x 100, or its
+            # 5 targets in MALT's order
             attacks = tuple((spec if s.name == "apgd-t5" else s, only) for s, only in attacks)
             focus[spec.name] = focus.pop("apgd-t5")
+            if "apgd-t5" in floor:
+                floor[spec.name] = floor.pop("apgd-t5")
     for part in parts:
         if part.startswith("probe"):
             share, steps = part[len("probe"):].split(",")

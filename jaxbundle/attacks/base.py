@@ -259,6 +259,8 @@ class WhiteBoxModel:
 
 
 class InitFn(Protocol):
+    """``init``; an attack with a ``setup`` also takes its result as ``setup=``."""
+
     def __call__(
         self,
         config: Any,
@@ -295,6 +297,12 @@ class Attack(NamedTuple):
         tracks the min-norm goal too; their candidates within eps also count for misclassify).
       eot: model samples averaged per model call against a stochastic model (expectation over
         transformation, see :mod:`jaxbundle.core.sampling`); each counts as a gradient or query.
+      setup: per-example work every restart shares, or None: ``setup(config, x0, y, eps,
+        model) -> pytree``, computed once per run of the attack, outside the restart axis
+        (the bundler's :class:`~jaxbundle.core.bundler.Driver`), and handed to every
+        restart's ``init`` as ``setup=`` (APGD-T's MALT target order).
+      setup_gradients: the gradient evaluations ``setup`` spends on one example (once, not
+        per restart).
     """
 
     name: str
@@ -310,6 +318,8 @@ class Attack(NamedTuple):
     init_queries: int = 0
     queries_per_step: int = 0
     eot: int = 1
+    setup: Callable[..., Any] | None = None
+    setup_gradients: int = 0
 
     @property
     def gradients(self) -> int:
@@ -324,8 +334,10 @@ class Attack(NamedTuple):
         return self.steps_queries(self.num_steps)
 
     def steps_gradients(self, steps: Any) -> Any:
-        """Gradient evaluations of ``steps`` steps on one example (all restarts and samples)."""
-        return self.num_restarts * self.eot * self.gradients_per_step * steps
+        """Gradient evaluations of ``setup`` and ``steps`` steps on one example (all restarts
+        and samples)."""
+        return self.eot * (self.setup_gradients
+                           + self.num_restarts * self.gradients_per_step * steps)
 
     def steps_queries(self, steps: Any) -> Any:
         """Model queries of ``init`` and ``steps`` steps on one example (restarts, samples)."""

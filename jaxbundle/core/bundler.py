@@ -181,11 +181,16 @@ class Driver(NamedTuple):
         goal's best (a stochastic model's as a 0-or-1 success rate, as the attack's candidates
         are)."""
         attack = self.attack
+        shared = {}
+        if attack.setup is not None:  # once for every restart, under the first one's keys
+            model = seen(attack, p.model, restart_keys(p.keys, self.index, first),
+                         sampling.INIT_CALL)
+            shared["setup"] = attack.setup(attack.config, p.x, p.y, p.eps, model)
 
         def one_restart(restart):
             keys = restart_keys(p.keys, self.index, restart)
             model = seen(attack, p.model, keys, sampling.INIT_CALL)
-            return attack.init(attack.config, keys, p.x, p.y, p.eps, model, restart)
+            return attack.init(attack.config, keys, p.x, p.y, p.eps, model, restart, **shared)
 
         state = _over_restarts(attack, self.rules.restart_mode, one_restart, first=first)
         start = clean._replace(score=clean.score._replace(

@@ -478,7 +478,7 @@ def _stage(b: _Batch, k: int, whole: Attack, chosen: np.ndarray, survivors: int,
         best, rows = out.best, rows.set(k, out, keep_success=first > 0)
         ran = np.zeros(batch, bool)
         ran[order] = True
-        grads += attack.steps_gradients(out.steps)
+        grads += np.where(ran, attack.steps_gradients(out.steps), 0)
         asked += np.where(ran, attack.steps_queries(out.steps), 0)
         row_steps += out.row_steps * attack.num_restarts
         stage = stage._replace(cut=stage.cut + out.cut)

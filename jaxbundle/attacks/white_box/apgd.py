@@ -48,7 +48,13 @@ per iterate); this takes ``N`` (``x^0, ..., x^{N-1}``), ``x^N`` being scored wit
 Losses: ``"ce"``, ``"dlr"`` (untargeted; restarts are independent random starts) and
 ``"dlr-targeted"`` / ``"ce-targeted"`` (APGD-T): restart ``r`` targets the class with the
 ``r``-th highest clean logit other than the label, so the target classes are the restart vmap
-axis; AutoAttack's standard version runs 9 targets of 100 iterations each.
+axis; AutoAttack's standard version runs 9 targets of 100 iterations each. With
+``targeting="malt"`` (Melamed et al. 2024, "MALT Powers Up Adversarial Attacks"), restart ``r``
+targets instead the class whose linearised boundary is ``r``-th nearest in the threat model's
+norm, ``|z_j - z_y| / ||grad (z_j - z_y)||_*`` at the clean image, of the ``candidates`` classes
+of highest clean logit: one forward and ``candidates`` backward passes per example, once for
+every restart (the attack's ``setup``, outside the restart axis), counted as ``candidates``
+gradients.
 """
 
 from __future__ import annotations
@@ -61,10 +67,12 @@ import jax.numpy as jnp
 
 from jaxbundle.core import losses, norms
 from jaxbundle.attacks.base import Attack, Candidate, WhiteBoxModel, check_count, white_box_attack
+from jaxbundle.attacks.white_box.deepfool import boundary_distances, top_classes
 
 __all__ = [
     "LOSSES",
     "SCHEDULES",
+    "TARGETING",
     "APGDConfig",
     "APGDState",
     "apgd",
@@ -75,6 +83,7 @@ __all__ = [
 
 LOSSES = ("ce", "dlr", "ce-targeted", "dlr-targeted")
 SCHEDULES = ("reference", "paper")
+TARGETING = ("logits", "malt")
 
 
 class APGDConfig(NamedTuple):
@@ -88,6 +97,7 @@ class APGDConfig(NamedTuple):
     targets: int  # target classes of a targeted loss (restart r targets rank r); 0 if untargeted
     schedule: str = "reference"  # one of SCHEDULES: the checkpoints and the halving rule
     keep_momentum: bool = True  # on a restart, keep x^{k-1} (paper, reference); False drops it
+    candidates: int = 0  # targeting="malt": classes ranked (highest clean logits); 0 otherwise
 
 
 class APGDState(NamedTuple):
@@ -171,15 +181,28 @@ def _targets(config: APGDConfig, model, x0, y, restart) -> jax.Array:
     return ranked[:, restart].astype(jnp.int32)
 
 
-def init(config: APGDConfig, keys, x0, y, eps, model, restart) -> APGDState:
+def malt_targets(config: APGDConfig, x0, y, eps, model: WhiteBoxModel) -> jax.Array:
+    """MALT's order (the attack's ``setup``, once for every restart): of the ``candidates``
+    classes of highest clean logit, nearest linearised boundary first, ``[B, candidates]``."""
+    del eps
+    classes = top_classes(model.logits(x0), y, config.candidates, "apgd")
+    distance, _, _ = boundary_distances(model, x0, y, classes, config.norm)
+    order = jnp.argsort(distance, axis=1, stable=True)
+    return jnp.take_along_axis(classes, order, axis=1)
+
+
+def init(config: APGDConfig, keys, x0, y, eps, model, restart, setup=None) -> APGDState:
+    """Restart ``restart``'s state; ``setup``: MALT's target order (:func:`malt_targets`)."""
     x = norms.random_start(keys, x0, eps, config.norm)
+    target = (_targets(config, model, x0, y, restart) if setup is None
+              else jnp.take(setup, restart, axis=1))
     neg_inf = jnp.full(y.shape, -jnp.inf, jnp.float32)
     return APGDState(
         x=x,
         x_prev=x,
         x0=x0,
         y=y,
-        target=_targets(config, model, x0, y, restart),
+        target=target,
         eps=eps,
         eta=config.initial_step * eps,
         loss_prev=jnp.full(y.shape, jnp.inf, jnp.float32),  # x^0 closes no comparison
@@ -255,6 +278,8 @@ def apgd(
     targets: int = 9,
     name: str | None = None,
     schedule: str = "reference",
+    targeting: str = "logits",
+    candidates: int = 9,
 ) -> Attack:
     """APGD (untargeted CE or DLR) or APGD-T (targeted DLR or CE).
 
@@ -273,6 +298,11 @@ def apgd(
       schedule: ``"reference"`` (AutoAttack's ``autopgd_base.py``: its checkpoints and halving
         test) or ``"paper"`` (``w_j = ceil(p_j N)`` and the paper's test); they agree on the
         checkpoints at 100 steps, not at 20 or 50 (see the module docstring).
+      targeting: a targeted run's order of targets: ``"logits"`` (AutoAttack's: highest clean
+        logit first) or ``"malt"`` (nearest linearised boundary first, of the ``candidates``
+        classes of highest logit; see the module docstring).
+      candidates: the classes MALT ranks (``candidates`` backward passes once per example;
+        at least ``targets``, at most the model's classes less one, checked when traced).
 
     Returns:
       An :class:`~jaxbundle.attacks.base.Attack` feeding the misclassify and max-confidence goals.
@@ -288,6 +318,16 @@ def apgd(
     targeted = loss.endswith("targeted")
     if targeted and restarts != 1:
         raise ValueError("a targeted apgd runs one restart per target: set targets, not restarts")
+    if targeting not in TARGETING:
+        raise ValueError(f"unknown APGD targeting {targeting!r}; expected one of {TARGETING}")
+    malt = targeting == "malt"
+    if malt and not targeted:
+        raise ValueError(f"targeting='malt' orders a targeted loss's targets; loss {loss!r} "
+                         "has none")
+    check_count("apgd", "candidates", candidates)
+    if malt and candidates < targets:
+        raise ValueError(f"targeting='malt' ranks {candidates} candidates, fewer than the "
+                         f"{targets} targets")
     default_name = "apgd-t" if loss == "dlr-targeted" else f"apgd-{loss}"
     config = APGDConfig(
         norm=norm,
@@ -299,6 +339,10 @@ def apgd(
         initial_step=2.0,
         targets=targets if targeted else 0,
         schedule=schedule,
+        candidates=candidates if malt else 0,
     )
-    return white_box_attack(name or default_name, norm, steps, init, step, config,
-                            restarts=targets if targeted else restarts)
+    attack = white_box_attack(name or default_name, norm, steps, init, step, config,
+                              restarts=targets if targeted else restarts)
+    if malt:
+        attack = attack._replace(setup=malt_targets, setup_gradients=candidates)
+    return attack

@@ -73,29 +73,32 @@ class DeepFoolState(NamedTuple):
 
 def init(config: DeepFoolConfig, keys, x0, y, eps, model: WhiteBoxModel, restart) -> DeepFoolState:
     del keys, eps, restart
-    logits = model.logits(x0)
+    classes = top_classes(model.logits(x0), y, config.candidates, "deepfool")
+    return DeepFoolState(x=x0, x0=x0, y=y, classes=classes, r_tot=jnp.zeros_like(x0))
+
+
+def top_classes(logits: jax.Array, y: jax.Array, candidates: int, attack: str) -> jax.Array:
+    """The ``candidates`` classes of highest logit other than the label, ``[B, C]`` int32; a
+    ``ValueError`` at trace time where the model has fewer other classes (a gradient count
+    must be exact, never silently smaller)."""
     num_classes = logits.shape[-1]
-    if config.candidates > num_classes - 1:
+    if candidates > num_classes - 1:
         raise ValueError(
-            f"deepfool(candidates={config.candidates}) needs a model with at least "
-            f"{config.candidates + 1} classes, got {num_classes}; "
-            f"pass candidates={num_classes - 1} (gradients_per_step must be exact)"
+            f"{attack}(candidates={candidates}) needs a model with at least {candidates + 1} "
+            f"classes, got {num_classes}; pass candidates={num_classes - 1} (the gradient "
+            "count must be exact)"
         )
     hidden = jnp.where(jax.nn.one_hot(y, num_classes, dtype=bool), -jnp.inf, logits)
-    _, classes = jax.lax.top_k(hidden, config.candidates)
-    return DeepFoolState(
-        x=x0, x0=x0, y=y, classes=classes.astype(jnp.int32), r_tot=jnp.zeros_like(x0)
-    )
+    return jax.lax.top_k(hidden, candidates)[1].astype(jnp.int32)
 
 
-def _differences_and_gradients(
-    model: WhiteBoxModel, x: jax.Array, y: jax.Array, classes: jax.Array
+def boundary_distances(
+    model: WhiteBoxModel, x: jax.Array, y: jax.Array, classes: jax.Array, norm: str
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Logits ``[B, K]``, ``f = z_j - z_y`` ``[B, C]`` and ``w = grad f`` ``[C, B, ...]``.
-
-    One forward pass and ``C`` backward passes (``vmap`` of the VJP over the cotangents
-    ``e_j - e_y``).
-    """
+    """The linearised distance, in ``norm``, from ``x`` to the boundary between ``y`` and each
+    of ``classes``: ``|f_j| / ||w_j||_*`` (the dual norm), ``[B, C]``, with ``f = z_j - z_y``
+    and ``w = grad f``; and the logits ``[B, K]`` and ``w`` ``[C, B, ...]``. One forward pass
+    and ``C`` backward passes (``vmap`` of the VJP over the cotangents ``e_j - e_y``)."""
     logits, vjp = jax.vjp(model.logits, x)
     num_classes = logits.shape[-1]
     cotangents = jax.nn.one_hot(classes, num_classes, dtype=logits.dtype) - jax.nn.one_hot(
@@ -105,15 +108,13 @@ def _differences_and_gradients(
     f = jnp.take_along_axis(logits, classes, axis=1) - jnp.take_along_axis(
         logits, y[:, None], axis=1
     )
-    return logits, f, grads
-
+    dual = jax.vmap(lambda g: norms.norm(g, norms.DUAL[norm]))(grads).T  # [B, C]
+    return jnp.abs(f) / jnp.maximum(dual, _TINY), logits, grads
 
 
 def step(config: DeepFoolConfig, state: DeepFoolState, model: WhiteBoxModel):
-    logits, f, grads = _differences_and_gradients(model, state.x, state.y, state.classes)
-    dual = jax.vmap(lambda g: norms.norm(g, norms.DUAL[config.norm]))(grads).T  # [B, C]
-    dual = jnp.maximum(dual, _TINY)
-    dist = jnp.abs(f) / dual  # [B, C] distance to each linearised boundary
+    dist, logits, grads = boundary_distances(model, state.x, state.y, state.classes,
+                                             config.norm)  # dist [B, C]
     best = jnp.argmin(dist, axis=1)  # [B]
     w = jnp.moveaxis(grads, 0, 1)  # [B, C, ...]
     w = jnp.take_along_axis(w, best.reshape((-1, 1) + (1,) * (w.ndim - 2)), axis=1)[:, 0]
