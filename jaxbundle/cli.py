@@ -33,7 +33,7 @@ def build_plan(args: argparse.Namespace, norm: str, eps: float) -> Plan:
     """The plan the flags ask for: ``--bundle``'s (or ``--attacks``' in full mode) with every
     flag given applied to it, checked. ``--schedule full`` on a cascade bundle drops the
     bundle's own cascade settings (:func:`jaxbundle.bundles.plan`); ``--focus``, ``--floor``,
-    ``--probe`` and ``--escalate`` add to the bundle's."""
+    ``--probe``, ``--escalate`` and ``--widen`` add to the bundle's."""
     fields = {k: v for k, v in (
         ("steps", args.steps), ("restarts", args.restarts), ("step_size", args.step_size),
         ("queries", args.queries), ("threshold", args.threshold), ("budget", args.budget),
@@ -47,7 +47,7 @@ def build_plan(args: argparse.Namespace, norm: str, eps: float) -> Plan:
     mode = {} if args.schedule is None else {"mode": args.schedule}
     base = (Plan.of(eps, tuple(args.attacks), norm=norm, **mode) if args.attacks
             else bundles.plan(args.bundle, norm, eps, **mode))
-    own = base.schedule.describe()  # the bundle's focus, floor, probe and escalate, if any
+    own = base.schedule.describe()  # the bundle's focus, floor, probe, ..., if any
     for field in PAIRS:
         if getattr(args, field):
             fields[field] = tuple({**own[field], **dict(getattr(args, field))}.items())
@@ -240,6 +240,11 @@ def _schedule_flags(threat: argparse._ArgumentGroup) -> None:
         "--escalate", type=_focus, action="append", default=[], metavar="ATTACK=SHARE",
         help="cascade: run ATTACK only when the stage before it fooled at least SHARE of the "
         "examples it ran on; repeatable; default: the bundle's own",
+    )
+    threat.add_argument(
+        "--widen", type=_focus, action="append", default=[], metavar="ATTACK=FRACTION",
+        help="cascade: ATTACK's focus fraction once an escalated stage has run on the batch "
+        "(the white-box stages were shown misled); repeatable; default: the bundle's own",
     )
     threat.add_argument(
         "--segments", type=_positive_int, default=None, metavar="N",

@@ -9,7 +9,8 @@ nested records, each field only where it means something.
 * the ``schedule``, which is also the runner (:mod:`jaxbundle.run.runners`): :class:`Full`
   (every attack on every example) or :class:`Cascade` (each attack on the examples whose
   ``goal`` the ones before left unsatisfied, with its ``threshold``, ``budget``, ``focus``,
-  ``floor``, ``probe``, ``escalate``, ``segments`` and ``buckets``: :mod:`jaxbundle.run.cascade`);
+  ``floor``, ``probe``, ``escalate``, ``widen``, ``segments`` and ``buckets``:
+  :mod:`jaxbundle.run.cascade`);
 * :class:`Run`: ``batch_size``, ``seed``, ``unroll``, ``restart_mode`` (``"vmap"``; ``"map"``:
   one restart at a time, less memory; ``"cascade"``, under a :class:`Cascade` only: one restart
   at a time, each on the examples the ones before left, as AutoAttack runs APGD-T's and FAB-T's

@@ -57,3 +57,42 @@ def test_bad_escalate_is_one_clear_error(escalate, message):
     with pytest.raises(ValueError, match=re.escape("escalate is a cascade setting")):
         plan.replace(mode="full", escalate=escalate)
     assert plan.replace(mode="full").schedule == Full()  # a full plan has no escalate to keep
+
+
+@pytest.mark.parametrize("share, widened", [(0.39, True), (0.4, False)])
+def test_widen_takes_effect_once_an_escalated_stage_ran(share, widened):
+    """``widen``: a fourth stage focused on 1/4 of the survivors runs on all of them once the
+    escalated third stage has run on the batch, and on its focus share (6 of the 26 left: the
+    bucket nearest 6.5, a halving of the batch) when the escalation held it back."""
+    params, x, y, eps = _problem(n=48, seed=3)
+    atts = (attacks_lib.fgsm(), attacks_lib.pgd(steps=5, restarts=2).rename("pgd"),
+            attacks_lib.pgd(steps=5, restarts=2, loss="margin").rename("pgd-m"),
+            attacks_lib.pgd(steps=3, loss="dlr").rename("pgd-d"))
+    goals = goals_for(("misclassify",), atts)
+    ids = jnp.arange(len(y), dtype=jnp.int32)
+    _, stages = _cascade(atts, params, x, y, ids, eps, escalate={"pgd-m": share},
+                         focus={"pgd-d": 0.25}, widen={"pgd-d": 1.0}, norm="linf",
+                         goal_names=goals)
+    assert stages[2].examples == (26 if widened else 0)
+    assert stages[3].examples == (stages[3].survivors if widened else 6)
+    assert stages[3].survivors < 26 if widened else stages[3].survivors == 26
+
+
+@pytest.mark.parametrize(
+    "widen, message",
+    [
+        ({"pgd-x": 0.5}, "give 'pgd-x' a focus fraction too"),
+        ({"pgd": 0.5}, "the plan escalates no stage before 'pgd'"),
+        ({"pgd-m": 0.2}, "fraction in [0.25, 1] (its focus or more)"),
+        ({"pgd-m": 1.5}, "fraction in [0.25, 1]"),
+    ],
+)
+def test_bad_widen_is_one_clear_error(widen, message):
+    atts = (attacks_lib.fgsm(), attacks_lib.pgd(steps=2).rename("pgd"),
+            attacks_lib.pgd(steps=2, loss="margin").rename("pgd-m"))
+    plan = Plan.of(eps=0.1, attacks=atts, goals=("misclassify",), mode="cascade",
+                   focus={"pgd": 0.5, "pgd-m": 0.25}, escalate={"pgd": 0.1}, widen=widen)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        plan.check()
+    with pytest.raises(ValueError, match=re.escape("widen is a cascade setting")):
+        plan.replace(mode="full", widen=widen)

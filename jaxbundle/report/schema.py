@@ -65,7 +65,7 @@ MODEL_FIELDS: tuple[tuple[str, str, str], ...] = (
     ("goals", "the goals tracked", ""),
     ("plan", "the plan as run (jaxbundle.Plan.describe(): threat model, attacks, overrides, "
      "schedule, run options, stochastic options)", ""),
-    ("schedule", "{mode, goal, threshold, budget, focus, floor, probe, escalate, segments, "
+    ("schedule", "{mode, goal, threshold, budget, focus, floor, probe, escalate, widen, segments, "
      "buckets, stages, skipped, statement}: stages (cascade) list per attack the survivors it "
      "could run on, the examples it ran on, the survivors focus, budget and escalate skipped, "
      "those a probe cut short, rows computed, gradients, queries and the robust accuracy "

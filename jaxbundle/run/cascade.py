@@ -48,6 +48,9 @@ With ``escalate`` (attack name -> a share), that attack's stage runs only when t
 before it fooled at least that share of the examples it ran on, and is skipped otherwise: an
 expensive stage held back for the models that need it, such as a full FAB-T after a light one
 that fooled many of the survivors APGD left (gradients that mislead APGD on that model).
+With ``widen`` (attack name -> a fraction), once an escalated stage has run on the batch (that
+evidence), that attack's focus fraction is the widened one: the black-box check gets more of
+the survivors on the models whose gradients were shown to mislead.
 
 With ``budget`` (model passes per example, averaged over the batch), a stage that cannot be
 paid for every survivor runs on the survivors that have had the least compute so far (the
@@ -114,6 +117,7 @@ class Settings(Protocol):
     floor_map: dict[str, float]
     probe_map: dict[str, float]
     escalate_map: dict[str, float]
+    widen_map: dict[str, float]
 
 
 class Stage(NamedTuple):
@@ -453,25 +457,27 @@ def _stage_rows(b: _Batch, attack: Attack, order: np.ndarray, closeness: np.ndar
 
 
 def _stage(b: _Batch, k: int, whole: Attack, chosen: np.ndarray, survivors: int,
-           closeness: np.ndarray, best, rows: _AttackRows):
+           focus: tuple[np.ndarray, float | None], best, rows: _AttackRows):
     """Stage ``k``: attack ``whole`` on the rows ``chosen`` (of ``survivors``), whole or, with
     ``restart_mode="cascade"``, restart by restart on what the restarts before left; a probed
-    stage (the plan's ``probe``) starts each part with its probe. Returns the batch's bests and
+    stage (the plan's ``probe``) starts each part with its probe, then goes on with ``focus =
+    (closeness, fraction)``: the survivors' ranking and the stage's focus fraction (its own,
+    or widened: the plan's ``widen``). Returns the batch's bests and
     attack rows, the :class:`Stage` and the gradients and queries each example paid (host
     ``[B]``)."""
     schedule, batch = b.schedule, int(b.y.shape[0])
-    focus, probes = schedule.focus_map, schedule.probe_map
+    (closeness, fraction), probes = focus, schedule.probe_map
     grads, asked = np.zeros(batch, np.int64), np.zeros(batch, np.int64)
     stage, row_steps = Stage(k, int(chosen.size), 0, 0, 0, survivors), 0
     for attack, first in _restart_parts(whole, b.rules.restart_mode):
         order = chosen
         if first:  # a later restart of a cascade of restarts: on what the others left
             done, closeness = b.host(_status(best, b.eps, schedule.goal, schedule.threshold,
-                                             whole.name in focus))
+                                             whole.name in schedule.focus_map))
             order = chosen[~done[chosen]]
         if order.size == 0:
             break
-        probe = ((probe_steps(attack, probes[attack.name]), focus[attack.name],
+        probe = ((probe_steps(attack, probes[attack.name]), fraction,
                   schedule.floor_map.get(attack.name, 0.0), closeness)
                  if attack.name in probes else None)
         out = _run_stage(b, attack, k, order, best, rows.of(k), probe=probe, first=first)
@@ -515,6 +521,7 @@ def cascade(schedule: Settings, model: Model, batch: Batch,
     attacks, params, mesh = tuple(model.attacks), model.params, model.mesh
     x, y, key, example_id = batch.x, batch.y, model.key, batch.example_id
     focus, probes, escalate = schedule.focus_map, schedule.probe_map, schedule.escalate_map
+    widen, escalated = schedule.widen_map, False
     n = int(y.shape[0])
     real = np.ones(n, bool) if batch.real is None else np.asarray(batch.real, bool)
     eps = jnp.broadcast_to(jnp.asarray(eps, jnp.float32), y.shape)
@@ -537,11 +544,13 @@ def cascade(schedule: Settings, model: Model, batch: Batch,
         survivors = np.flatnonzero(real & ~done)
         held_back = whole.name in escalate and not escalates(stages[-1], survivors.size,
                                                              escalate[whole.name])
+        fraction = widen[whole.name] if escalated and whole.name in widen else focus.get(
+            whole.name)
         chosen = _stage_rows(b, whole, survivors[:0] if held_back else survivors, closeness,
-                             None if whole.name in probes else focus.get(whole.name), left,
-                             spent)
-        best, rows, stage, grads, asked = _stage(b, k, whole, chosen, survivors.size, closeness,
-                                                 best, rows)
+                             None if whole.name in probes else fraction, left, spent)
+        best, rows, stage, grads, asked = _stage(b, k, whole, chosen, survivors.size,
+                                                 (closeness, fraction), best, rows)
+        escalated |= whole.name in escalate and stage.examples > 0
         spent += grads + asked
         gradients += grads
         queries += asked

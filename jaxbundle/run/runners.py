@@ -36,7 +36,7 @@ from jaxbundle.run.records import Batch, Model
 __all__ = ["MAX_BUCKETS", "PAIRS", "Batch", "Cascade", "Full", "Model", "Schedule"]
 
 MAX_BUCKETS = 64  # bucket sizes per halving of the batch, at most
-PAIRS = ("focus", "floor", "probe", "escalate")  # a cascade's settings given per attack
+PAIRS = ("focus", "floor", "probe", "escalate", "widen")  # a cascade's settings given per attack
 
 
 class Schedule(Protocol):
@@ -72,7 +72,7 @@ class Cascade:
     """Each attack on the examples whose ``goal`` the ones before left unsatisfied
     (:func:`jaxbundle.run.cascade.cascade`, whose docstring says what each setting does):
     ``threshold`` (the max_confidence goal's t), ``budget`` (model passes per example),
-    ``focus``, ``floor``, ``probe``, ``escalate`` (attack name -> fraction or share),
+    ``focus``, ``floor``, ``probe``, ``escalate``, ``widen`` (attack name -> fraction or share),
     ``segments`` and ``buckets`` (compacted batch sizes per halving of the batch: more, less
     padding)."""
 
@@ -83,6 +83,7 @@ class Cascade:
     floor: tuple[tuple[str, float], ...] = ()
     probe: tuple[tuple[str, float], ...] = ()
     escalate: tuple[tuple[str, float], ...] = ()
+    widen: tuple[tuple[str, float], ...] = ()
     segments: int = 1
     buckets: int = 2
     mode: ClassVar[str] = "cascade"
@@ -115,11 +116,18 @@ class Cascade:
         ran on that this stage must have fooled for it to run)."""
         return dict(self.escalate)
 
+    @property
+    def widen_map(self) -> dict[str, float]:
+        """``widen`` as a dict (attack name -> its focus fraction once an escalated stage has
+        run on the batch)."""
+        return dict(self.widen)
+
     def describe(self) -> dict:
         return {"mode": self.mode, "goal": self.goal, "threshold": self.threshold,
                 "budget": self.budget, "focus": self.focus_map, "floor": self.floor_map,
                 "probe": self.probe_map,
-                "escalate": self.escalate_map, "segments": self.segments,
+                "escalate": self.escalate_map, "widen": self.widen_map,
+                "segments": self.segments,
                 "buckets": self.buckets}
 
     def check(self, attacks: tuple[Attack, ...], goal_names: tuple[str, ...]) -> None:
@@ -150,6 +158,7 @@ class Cascade:
         self._check_focus(names)
         self._check_probe(attacks)
         self._check_escalate(names)
+        self._check_widen(names)
 
     def _check_focus(self, names: list[str]) -> None:
         for name, fraction in self.focus:
@@ -184,6 +193,20 @@ class Cascade:
                 raise ValueError(f"escalate of {name!r} must be a share in (0, 1] of the examples "
                                  f"the stage before it ran on, got {share!r}")
         _once("escalate", self.escalate)
+
+    def _check_widen(self, names: list[str]) -> None:
+        for name, fraction in self.widen:
+            if name not in self.focus_map:
+                raise ValueError(f"widen of {name!r} replaces its focus fraction: give {name!r} "
+                                 "a focus fraction too")
+            if not is_number(fraction) or not self.focus_map[name] <= fraction <= 1:
+                raise ValueError(f"widen of {name!r} must be a fraction in "
+                                 f"[{self.focus_map[name]}, 1] (its focus or more), got "
+                                 f"{fraction!r}")
+            if not any(names.index(e) < names.index(name) for e in self.escalate_map):
+                raise ValueError(f"widen of {name!r} applies once an escalated stage has run: "
+                                 f"the plan escalates no stage before {name!r}")
+        _once("widen", self.widen)
 
     def _check_probe(self, attacks: tuple[Attack, ...]) -> None:
         steps = {a.name: a.num_steps for a in attacks}
