@@ -32,8 +32,8 @@ plan ``plan(NAME, norm, eps)`` with the flags given applied to it (``--schedule 
     queries) on every survivor (the plan's ``probe``), then on 6 % of them, half the most promising
     under the earlier stages and half those Square itself brought furthest, and on more when the
     probe fools survivors (up to all: :data:`jaxbundle.run.cascade.PROBE_GAIN`); 12.5 % where the
-    FAB-T escalation ran (the plan's ``widen``: on the tuning set's Linf-trained CNN in L2 it
-    halved the examples only AutoAttack's Square fooled). Each stage runs in
+    FAB-T escalation ran (the plan's ``widen``: on the tuning set's Linf-trained CNN in L2 the
+    examples only AutoAttack's Square fooled fell from 7 to 2). Each stage runs in
     6 segments, and an example fooled in one stops there. How it compares with AutoAttack:
     benchmarks/README.md.
 ``broad``

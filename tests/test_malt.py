@@ -4,11 +4,13 @@ exactly (in the full bundle, a cascade and a cascade of restarts), and the refus
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxbundle import Plan, evaluate
 from jaxbundle.attacks import apgd
 from jaxbundle.attacks.base import WhiteBoxModel
 from jaxbundle.attacks.white_box.apgd import malt_targets
@@ -135,3 +137,46 @@ def test_refusals():
     with pytest.raises(ValueError, match="candidates=4"):
         bundle([attack], linear_apply, params, images(x), jnp.asarray(y), KEY, eps=0.1,
                norm="linf")
+
+
+class _ColourCNN(nn.Module):
+    """An ordinary flax network on colour 32x32 images (``nn.Conv``, not the demo's conv)."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(8, (3, 3), strides=2)(x))
+        x = nn.relu(nn.Conv(16, (3, 3), strides=2)(x))
+        return nn.Dense(10)(x.reshape(x.shape[0], -1))
+
+
+def test_on_a_flax_network_with_colour_off_grid_images():
+    """The order on a network, against each example's Jacobian taken on its own
+    (``jax.jacrev``, numpy's L1 norm), and ``apgd-t5-malt`` through ``evaluate``: every success
+    in the box and the ball and misclassified in float32 at full matmul precision, every
+    example charged 5 x 10 steps and the 9 gradients of the order once."""
+    net = _ColourCNN()
+    x = jax.random.uniform(jax.random.key(3), (12, 32, 32, 3))  # off the 8-bit grid
+    params = net.init(jax.random.key(4), x)
+    y = np.asarray(jnp.argmax(net.apply(params, x), -1))
+    attack = apgd("linf", "dlr-targeted", steps=10, targets=5, targeting="malt")
+    got = np.asarray(malt_targets(attack.config, x, jnp.asarray(y), None,
+                                  WhiteBoxModel(net.apply, params)))
+    for i in range(len(y)):
+        logits = np.asarray(net.apply(params, x[i:i + 1]))[0]
+        jac = np.asarray(jax.jacrev(lambda im: net.apply(params, im[None])[0])(x[i]))
+        others = [j for j in np.argsort(-logits, kind="stable") if j != y[i]]
+        dist = [(logits[y[i]] - logits[j]) / np.abs(jac[y[i]] - jac[j]).sum() for j in others]
+        np.testing.assert_array_equal(got[i], np.asarray(others)[np.argsort(dist)])
+    plan = Plan.of(eps=4 / 255, attacks=(attack.rename("apgd-t5-malt"),), norm="linf",
+                   goals=("misclassify",), judging="float")
+    pe = evaluate(net.apply, params, (np.asarray(x), y), plan, mesh=None,
+                  keep_images=True).per_example
+    np.testing.assert_array_equal(pe["gradients"], 5 * 10 + 9)
+    fooled = pe["success"].astype(bool)
+    assert 0 < fooled.sum() < fooled.size
+    adv = np.asarray(pe["x_adv"], np.float32)[fooled]
+    assert adv.min() >= 0 and adv.max() <= 1
+    assert np.abs(adv - np.asarray(x)[fooled]).max() <= 4 / 255 + 1e-7
+    with jax.default_matmul_precision("highest"):
+        assert np.all(np.asarray(jnp.argmax(net.apply(params, jnp.asarray(adv)), -1))
+                      != y[fooled])
