@@ -1,6 +1,8 @@
 """APGD-T's MALT targeting (Melamed et al. 2024): the order against the analytic linearised
 distances, a target logit order misses, the setup computed once for every restart and counted
-exactly (in the full bundle, a cascade and a cascade of restarts), and the refusals."""
+exactly (in the full bundle, a cascade and a cascade of restarts), the refusals, and a flax
+``nn.Conv`` network on colour off-grid images (the order against each example's Jacobian, every
+reported success re-checked)."""
 
 from __future__ import annotations
 
