@@ -21,7 +21,8 @@ set of ``PROTOCOL.md`` (goal misclassify, n = 256, seed 0, no warm rounds), its 
 * ``malt``: the APGD-T stage's 5 targets in MALT's order (``apgd-t5-malt``: nearest
   linearised boundary of the 9 highest logits first; Melamed et al. 2024) instead of the
   logits';
-* ``sqF``: Square's focus after its probe ``F`` instead of 0.06;
+* ``sqF``: Square's focus after its probe ``F`` instead of 0.06; ``sqpP``: its probe ``P`` of
+  its queries instead of 0.05;
 * ``wbcap``: ``cap`` for the white-box (APGD) stages only: while a stage's survivors are no
   more than its focus fraction of the batch, all of them run it (:func:`white_box_capped`);
 * ``esc``: AutoAttack's FAB-T (9 x 100, the reference's order) after ``fab-t3``, run only
@@ -104,8 +105,10 @@ def variant(name: str) -> str:
             focus[spec.name] = focus.pop("apgd-t5")
             if "apgd-t5" in floor:
                 floor[spec.name] = floor.pop("apgd-t5")
-    for part in parts:  # sqF: Square's focus F after its probe (the default's 0.06)
-        if part.startswith("sq"):
+    for part in parts:  # sqF: Square's focus F after its probe (the default's 0.06); sqpP:
+        if part.startswith("sqp"):  # its probe P of its queries (the default's 0.05)
+            probe["square-aa"] = float(part[len("sqp"):])
+        elif part.startswith("sq"):
             focus["square-aa"] = float(part[len("sq"):])
     for part in parts:
         if part.startswith("probe"):
