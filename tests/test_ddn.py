@@ -3,7 +3,6 @@ the linear model's analytic minimum."""
 
 from __future__ import annotations
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,7 +16,8 @@ from jaxbundle.attacks.white_box.ddn import ALPHA_MIN, step_size
 from jaxbundle.bundler import bundle
 from attack_checks import (assert_refused, check_deterministic_and_vmappable, check_factory,
                            step_flops)
-from toys import KEY, images, linear_apply, linear_problem, min_distance, run_steps
+from toys import (ColourCNN, KEY, images, linear_apply, linear_problem, min_distance,
+                  run_steps)
 
 
 def _problem(n=32, k=4, seed=2, spread=0.05):
@@ -114,16 +114,6 @@ def test_near_the_analytic_minimum_of_a_two_class_linear_model():
     assert ratio.min() >= 1.0 - 1e-4 and ratio.max() <= 1.01 and np.median(ratio) <= 1.002
 
 
-class _ColourCNN(nn.Module):
-    """An ordinary flax network on colour 32x32 images (``nn.Conv``, not the demo's conv)."""
-
-    @nn.compact
-    def __call__(self, x):
-        x = nn.relu(nn.Conv(8, (3, 3), strides=2)(x))
-        x = nn.relu(nn.Conv(16, (3, 3), strides=2)(x))
-        return nn.Dense(10)(x.reshape(x.shape[0], -1))
-
-
 @pytest.mark.parametrize("fmt", ["tf32", "bfloat16"])
 def test_on_colour_off_grid_images_under_accelerator_arithmetic_every_report_is_float32_true(
         fmt):
@@ -132,7 +122,7 @@ def test_on_colour_off_grid_images_under_accelerator_arithmetic_every_report_is_
     DDN reports through ``evaluate`` is its image's float32 L2 distance, in the box, and that
     image is misclassified by the model in float32 (the same arithmetic on CPU would hide a
     search that trusted reduced-precision logits)."""
-    net = _ColourCNN()
+    net = ColourCNN()
     x = jax.random.uniform(jax.random.key(3), (12, 32, 32, 3))
     params = net.init(jax.random.key(4), x)
     y = np.asarray(jnp.argmax(net.apply(params, x), -1))  # every example clean-correct

@@ -16,18 +16,23 @@ from cascade_toys import problem as _problem
 from cascade_toys import run_cascade as _cascade
 
 
+def _fgsm_pgd_pgdm(*more, **schedule):
+    """FGSM, PGD and PGD with the margin loss (then ``more``) as a cascade on the linear toy of
+    48 examples, with the ``schedule`` settings: the attacks, the result and the stages."""
+    params, x, y, eps = _problem(n=48, seed=3)
+    atts = (attacks_lib.fgsm(), attacks_lib.pgd(steps=5, restarts=2).rename("pgd"),
+            attacks_lib.pgd(steps=5, restarts=2, loss="margin").rename("pgd-m"), *more)
+    ids = jnp.arange(len(y), dtype=jnp.int32)
+    return atts, *_cascade(atts, params, x, y, ids, eps, norm="linf",
+                           goal_names=goals_for(("misclassify",), atts), **schedule)
+
+
 @pytest.mark.parametrize("share, runs", [(0.39, True), (0.4, False)])
 def test_an_escalated_stage_runs_only_when_the_stage_before_fooled_enough(share, runs):
     """``escalate``: pgd fools 17 of the 43 survivors fgsm left (0.395 of those it ran on), so a
     third stage escalated at 0.39 runs on every survivor left and one at 0.40 is held back:
     it runs on none, every survivor counted skipped, no example charged for it."""
-    params, x, y, eps = _problem(n=48, seed=3)
-    atts = (attacks_lib.fgsm(), attacks_lib.pgd(steps=5, restarts=2).rename("pgd"),
-            attacks_lib.pgd(steps=5, restarts=2, loss="margin").rename("pgd-m"))
-    goals = goals_for(("misclassify",), atts)
-    ids = jnp.arange(len(y), dtype=jnp.int32)
-    res, stages = _cascade(atts, params, x, y, ids, eps, escalate={"pgd-m": share},
-                           norm="linf", goal_names=goals)
+    atts, res, stages = _fgsm_pgd_pgdm(escalate={"pgd-m": share})
     assert (stages[1].survivors, stages[1].examples) == (43, 43)
     assert stages[2].survivors == 43 - 17
     assert stages[2].examples == (26 if runs else 0)
@@ -64,15 +69,9 @@ def test_widen_takes_effect_once_an_escalated_stage_ran(share, widened):
     """``widen``: a fourth stage focused on 1/4 of the survivors runs on all of them once the
     escalated third stage has run on the batch, and on its focus share (6 of the 26 left: the
     bucket nearest 6.5, a halving of the batch) when the escalation held it back."""
-    params, x, y, eps = _problem(n=48, seed=3)
-    atts = (attacks_lib.fgsm(), attacks_lib.pgd(steps=5, restarts=2).rename("pgd"),
-            attacks_lib.pgd(steps=5, restarts=2, loss="margin").rename("pgd-m"),
-            attacks_lib.pgd(steps=3, loss="dlr").rename("pgd-d"))
-    goals = goals_for(("misclassify",), atts)
-    ids = jnp.arange(len(y), dtype=jnp.int32)
-    _, stages = _cascade(atts, params, x, y, ids, eps, escalate={"pgd-m": share},
-                         focus={"pgd-d": 0.25}, widen={"pgd-d": 1.0}, norm="linf",
-                         goal_names=goals)
+    _, _, stages = _fgsm_pgd_pgdm(attacks_lib.pgd(steps=3, loss="dlr").rename("pgd-d"),
+                                  escalate={"pgd-m": share}, focus={"pgd-d": 0.25},
+                                  widen={"pgd-d": 1.0})
     assert stages[2].examples == (26 if widened else 0)
     assert stages[3].examples == (stages[3].survivors if widened else 6)
     assert stages[3].survivors < 26 if widened else stages[3].survivors == 26

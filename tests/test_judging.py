@@ -21,7 +21,7 @@ import pytest
 
 from jaxbundle import Plan, attacks, bundle, bundles, data, evaluate, judge, norms
 from jaxbundle.attacks.base import Attack, Candidate
-from toys import KEY, images, linear_apply, linear_problem, quick_demo_model
+from toys import ColourCNN, KEY, images, linear_apply, linear_problem, quick_demo_model
 
 N = 96  # test images per setting
 MATCH = 64  # of them, compared between grid and float32 judging at each setting
@@ -335,16 +335,6 @@ def test_only_white_box_min_norm_candidates_are_stretched():
         f = bundle([fixed_min_norm_attack(kind, 0.45)], apply_fn, threshold, x0, y, KEY,
                    eps=0.1, judging="float")
         assert bool(f.best["min_norm"].score.misclassified[0]), kind
-
-
-class ColourCNN(nn.Module):
-    """A small flax nn.Conv network for colour 32 x 32 images (random weights)."""
-
-    @nn.compact
-    def __call__(self, x):
-        x = nn.relu(nn.Conv(8, (3, 3), strides=(2, 2), padding="SAME")(x))
-        x = nn.relu(nn.Conv(16, (3, 3), strides=(2, 2), padding="SAME")(x))
-        return nn.Dense(10)(x.reshape(x.shape[0], -1))
 
 
 @pytest.mark.parametrize("norm, eps", [pytest.param("linf", 1 / 255, marks=pytest.mark.slow),

@@ -6,7 +6,6 @@ reported success re-checked)."""
 
 from __future__ import annotations
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -18,7 +17,7 @@ from jaxbundle.attacks.base import WhiteBoxModel
 from jaxbundle.attacks.white_box.apgd import malt_targets
 from jaxbundle.bundler import bundle
 from cascade_toys import problem, run_cascade
-from toys import KEY, images, linear_apply, linear_problem
+from toys import ColourCNN, KEY, images, linear_apply, linear_problem
 
 
 def _analytic_order(params, x, y, norm, candidates):
@@ -141,22 +140,12 @@ def test_refusals():
                norm="linf")
 
 
-class _ColourCNN(nn.Module):
-    """An ordinary flax network on colour 32x32 images (``nn.Conv``, not the demo's conv)."""
-
-    @nn.compact
-    def __call__(self, x):
-        x = nn.relu(nn.Conv(8, (3, 3), strides=2)(x))
-        x = nn.relu(nn.Conv(16, (3, 3), strides=2)(x))
-        return nn.Dense(10)(x.reshape(x.shape[0], -1))
-
-
 def test_on_a_flax_network_with_colour_off_grid_images():
     """The order on a network, against each example's Jacobian taken on its own
     (``jax.jacrev``, numpy's L1 norm), and ``apgd-t5-malt`` through ``evaluate``: every success
     in the box and the ball and misclassified in float32 at full matmul precision, every
     example charged 5 x 10 steps and the 9 gradients of the order once."""
-    net = _ColourCNN()
+    net = ColourCNN()
     x = jax.random.uniform(jax.random.key(3), (12, 32, 32, 3))  # off the 8-bit grid
     params = net.init(jax.random.key(4), x)
     y = np.asarray(jnp.argmax(net.apply(params, x), -1))

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,6 +38,17 @@ def quick_demo_model(name: str):
     from jaxbundle import models
 
     return models.load_or_train(models.MODELS[name]._replace(**QUICK_TRAINING))
+
+
+class ColourCNN(nn.Module):
+    """An ordinary flax network for colour 32x32 images (``nn.Conv``, not the demo's conv;
+    random weights in the tests that use it)."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(8, (3, 3), strides=2)(x))
+        x = nn.relu(nn.Conv(16, (3, 3), strides=2)(x))
+        return nn.Dense(10)(x.reshape(x.shape[0], -1))
 
 
 def linear_apply(params, x):

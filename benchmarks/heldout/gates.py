@@ -114,11 +114,8 @@ def figures(s: Setting) -> dict:
         missed |= c & default.any(0)
     only = [_only_square_or_fab(s.autoattack[:r] + s.autoattack[r + 1:], aa.shape[1])
             for r in range(k)]  # fooled only by Square (or only FAB-T) in the other runs
-    masked = {}
-    for example in np.flatnonzero(missed):
-        components = _components(s.autoattack, int(example))
-        if components in ({"3"}, {"2"}):
-            masked[int(example)] = COMPONENTS[int(components.pop())]
+    masked = {int(e): COMPONENTS[int(_components(s.autoattack, int(e)).pop())]
+              for e in np.flatnonzero(missed & _only_square_or_fab(s.autoattack, aa.shape[1]))}
     aa_counts, default_counts = aa.sum(1), default.sum(1)
     aa_robust = 100.0 * float(np.median(aa_counts)) / aa.shape[1]
     out = {
